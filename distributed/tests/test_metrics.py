@@ -1,0 +1,674 @@
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+import math
+import pickle
+import threading
+import time
+from fractions import Fraction
+
+import pytest
+
+from distributed import metrics
+from distributed.metrics import DelayedMetricsLedger, MeterOutput, context_meter
+from distributed.utils_test import captured_logger, gen_test
+
+
+class FakeClock:
+    """Clock which only moves when the test says so"""
+
+    def __init__(self, t: float = 0.0):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_wall_clock():
+    for _ in range(3):
+        t1 = metrics.time()
+        t2 = time.time()
+        assert abs(t1 - t2) < 1
+
+
+def test_monotonic():
+    t1 = metrics.monotonic()
+    t2 = metrics.monotonic()
+    assert t2 >= t1
+
+
+def test_thread_time():
+    # thread_time only measures the CPU time of the current thread
+    t1 = metrics.thread_time()
+    threading.Event().wait(0.05)
+    t2 = metrics.thread_time()
+    assert 0 <= t2 - t1 < 0.05
+
+
+def test_meter():
+    clock = FakeClock(10)
+    with metrics.meter(clock) as m:
+        assert isinstance(m, MeterOutput)
+        assert m.start == 10
+        assert math.isnan(m.stop)
+        assert math.isnan(m.delta)
+        clock.t = 12.5
+    assert m.start == 10
+    assert m.stop == 12.5
+    assert m.delta == 2.5
+
+
+def test_meter_default_clock():
+    with metrics.meter() as m:
+        pass
+    assert m.stop >= m.start
+    assert m.delta == m.stop - m.start
+
+
+def test_meter_raise():
+    clock = FakeClock()
+    with pytest.raises(ZeroDivisionError):
+        with metrics.meter(clock) as m:
+            clock.t = 2
+            1 / 0
+    assert m.stop == 2
+    assert m.delta == 2
+
+
+@pytest.mark.parametrize(
+    "floor,expect",
+    [(0.0, 0.0), (-3, -2.0), (False, -2.0), (1, 1)],
+)
+def test_meter_floor(floor, expect):
+    clock = FakeClock(2)
+    with metrics.meter(clock, floor=floor) as m:
+        clock.t = 0
+    assert m.stop == 0
+    assert m.delta == expect
+
+
+def test_context_meter():
+    clock = FakeClock()
+    out = []
+
+    with context_meter.add_callback(lambda *args: out.append(args)):
+        with context_meter.meter("m1", func=clock):
+            clock.t = 1
+        context_meter.digest_metric("m2", 2, "count")
+        with context_meter.meter("m3", unit="bytes", func=clock):
+            clock.t = 4
+
+    assert out == [("m1", 1, "seconds"), ("m2", 2, "count"), ("m3", 3, "bytes")]
+    # Nothing is called after the callback is removed
+    context_meter.digest_metric("m4", 1, "count")
+    with context_meter.meter("m5"):
+        pass
+    assert len(out) == 3
+
+
+def test_context_meter_no_callbacks():
+    """Without callbacks, meter() doesn't even read the clock"""
+    calls = []
+
+    def clock():
+        calls.append(None)
+        return 0.0
+
+    @context_meter.meter("z", func=clock)
+    def f():
+        return 1
+
+    with context_meter.meter("x", func=clock):
+        pass
+    context_meter.digest_metric("y", 1, "seconds")
+    assert f() == 1
+    assert calls == []
+
+
+def test_context_meter_callbacks_stack():
+    out1 = []
+    out2 = []
+    with context_meter.add_callback(lambda *args: out1.append(args)):
+        context_meter.digest_metric("a", 1, "count")
+        with context_meter.add_callback(lambda *args: out2.append(args)):
+            context_meter.digest_metric("b", 2, "count")
+        context_meter.digest_metric("c", 3, "count")
+
+    assert out1 == [("a", 1, "count"), ("b", 2, "count"), ("c", 3, "count")]
+    assert out2 == [("b", 2, "count")]
+
+
+def test_context_meter_labels():
+    """A label is any hashable and is passed through unaltered"""
+    out = []
+    with context_meter.add_callback(lambda *args: out.append(args)):
+        context_meter.digest_metric(("ping", "x"), 1, "count")
+        context_meter.digest_metric(123, 2, "count")
+    assert out == [(("ping", "x"), 1, "count"), (123, 2, "count")]
+
+
+def test_context_meter_decorator():
+    clock = FakeClock()
+    out = []
+
+    @context_meter.meter("f", func=clock)
+    def f(x, *, y):
+        """Docstring"""
+        clock.t += 1
+        return x + y
+
+    assert f.__name__ == "f"
+    assert f.__doc__ == "Docstring"
+
+    with context_meter.add_callback(lambda *args: out.append(args)):
+        assert f(1, y=2) == 3
+        assert f(3, y=4) == 7
+
+    assert out == [("f", 1, "seconds"), ("f", 1, "seconds")]
+
+
+def test_context_meter_decorator_raise():
+    clock = FakeClock()
+    out = []
+
+    @context_meter.meter("f", func=clock)
+    def f():
+        clock.t += 1
+        raise ValueError("foo")
+
+    with context_meter.add_callback(lambda *args: out.append(args)):
+        with pytest.raises(ValueError, match="foo"):
+            f()
+    assert out == [("f", 1, "seconds")]
+
+
+def test_context_meter_decorator_recursive():
+    clock = FakeClock()
+    out = []
+
+    @context_meter.meter("f", func=clock)
+    def f(n):
+        clock.t += 1
+        if n:
+            f(n - 1)
+
+    with context_meter.add_callback(lambda *args: out.append(args)):
+        f(2)
+    # Each call is metered separately and the inner calls are not counted twice
+    assert out == [("f", 1, "seconds")] * 3
+
+
+@gen_test()
+async def test_context_meter_async_decorator_no_callbacks():
+    calls = []
+
+    def clock():
+        calls.append(None)
+        return 0.0
+
+    @context_meter.meter("f", func=clock)
+    async def f(x):
+        await asyncio.sleep(0)
+        return x + 1
+
+    assert await f(1) == 2
+    assert calls == []
+
+
+@gen_test()
+async def test_context_meter_async_decorator():
+    clock = FakeClock()
+    out = []
+    ev = asyncio.Event()
+
+    @context_meter.meter("f", func=clock)
+    async def f(x):
+        clock.t += 1
+        await ev.wait()
+        return x * 2
+
+    assert asyncio.iscoroutinefunction(f)
+    assert f.__name__ == "f"
+
+    with context_meter.add_callback(lambda *args: out.append(args)):
+        task = asyncio.create_task(f(21))
+        await asyncio.sleep(0)
+        assert not task.done()
+        assert out == []
+        clock.t += 2
+        ev.set()
+        assert await task == 42
+
+    assert out == [("f", 3, "seconds")]
+
+
+def test_context_meter_nested():
+    clock = FakeClock()
+    out = []
+
+    with context_meter.add_callback(lambda *args: out.append(args)):
+        with context_meter.meter("outer", func=clock):
+            clock.t += 1
+            with context_meter.meter("inner1", func=clock):
+                clock.t += 2
+                with context_meter.meter("inner2", func=clock):
+                    clock.t += 4
+                context_meter.digest_metric("inner3", 0.5, "seconds")
+                context_meter.digest_metric("n", 5, "count")
+            with context_meter.meter("b", unit="bytes", func=clock):
+                clock.t += 8
+            clock.t += 16
+
+    assert out == [
+        ("inner2", 4, "seconds"),
+        ("inner3", 0.5, "seconds"),
+        ("n", 5, "count"),
+        ("inner1", 1.5, "seconds"),
+        # Metrics that are not seconds are not subtracted
+        ("b", 8, "bytes"),
+        ("outer", 25, "seconds"),
+    ]
+    # Additive: the total seconds are the time spent in the outermost block
+    assert sum(v for _, v, u in out if u == "seconds") == 31
+
+
+def test_context_meter_nested_floor():
+    clock = FakeClock()
+    out = []
+
+    with context_meter.add_callback(lambda *args: out.append(args)):
+        with context_meter.meter("a", func=clock):
+            with context_meter.meter("b", func=clock, floor=False):
+                clock.t += 1
+                context_meter.digest_metric("c", 3, "seconds")
+            clock.t += 1
+        with context_meter.meter("d", func=clock, floor=0.5):
+            context_meter.digest_metric("e", 3, "seconds")
+        with context_meter.meter("f", func=clock):
+            clock.t -= 1  # Non-monotonic clock
+
+    assert out == [
+        ("c", 3, "seconds"),
+        ("b", -2, "seconds"),
+        # 2 - (-2) - 3
+        ("a", 1, "seconds"),
+        ("e", 3, "seconds"),
+        ("d", 0.5, "seconds"),
+        ("f", 0, "seconds"),
+    ]
+
+
+def test_context_meter_pickle():
+    assert pickle.loads(pickle.dumps(context_meter)) is context_meter
+
+    cloudpickle = pytest.importorskip("cloudpickle")
+    assert cloudpickle.loads(cloudpickle.dumps(context_meter)) is context_meter
+
+
+def test_context_meter_raise():
+    clock = FakeClock()
+    out = []
+
+    with pytest.raises(ValueError, match="foo"):
+        with context_meter.add_callback(lambda *args: out.append(args)):
+            with context_meter.meter("m", func=clock):
+                clock.t = 1
+                raise ValueError("foo")
+
+    assert out == [("m", 1, "seconds")]
+    # The callback was removed on error
+    context_meter.digest_metric("x", 1, "count")
+    assert len(out) == 1
+    assert metrics._callbacks_var.get() == ()
+    assert metrics._current_meter_var.get() is None
+
+
+def test_context_meter_callback_raise_does_not_hide_error():
+    """A failure in a callback while the metered block raises is logged, and the
+    block's own exception and traceback come through unaltered.
+    """
+
+    def cb(label, value, unit):
+        raise RuntimeError("callback failed")
+
+    def user_code():
+        raise ValueError("user error")
+
+    with captured_logger("distributed.metrics") as log:
+        with pytest.raises(ValueError, match="user error") as excinfo:
+            with context_meter.add_callback(cb):
+                with context_meter.meter("m"):
+                    user_code()
+
+    assert excinfo.value.__context__ is None
+    assert excinfo.traceback[-1].name == "user_code"
+    assert "callback failed" in log.getvalue()
+    assert "Failed to digest metric 'm'" in log.getvalue()
+
+
+def test_context_meter_callback_raise():
+    """A failure in a callback surfaces when the block itself did not raise"""
+
+    def cb(label, value, unit):
+        raise RuntimeError("callback failed")
+
+    with context_meter.add_callback(cb):
+        with pytest.raises(RuntimeError, match="callback failed"):
+            with context_meter.meter("m"):
+                pass
+        with pytest.raises(RuntimeError, match="callback failed"):
+            context_meter.digest_metric("x", 1, "count")
+
+    assert metrics._callbacks_var.get() == ()
+    assert metrics._current_meter_var.get() is None
+
+
+def test_context_meter_callback_raise_others_still_called():
+    out = []
+
+    def bad1(label, value, unit):
+        raise RuntimeError("bad1")
+
+    def bad2(label, value, unit):
+        raise RuntimeError("bad2")
+
+    with context_meter.add_callback(bad1):
+        with context_meter.add_callback(lambda *args: out.append(args)):
+            with context_meter.add_callback(bad2):
+                with pytest.raises(RuntimeError, match="bad1"):
+                    context_meter.digest_metric("x", 1, "count")
+                with pytest.raises(RuntimeError, match="bad1"):
+                    with context_meter.meter("y", func=FakeClock()):
+                        pass
+    assert out == [("x", 1, "count"), ("y", 0, "seconds")]
+
+
+def test_add_callback_removed_on_error():
+    out = []
+    with pytest.raises(ZeroDivisionError):
+        with context_meter.add_callback(lambda *args: out.append(args)):
+            context_meter.digest_metric("x", 1, "count")
+            1 / 0
+    context_meter.digest_metric("y", 1, "count")
+    assert out == [("x", 1, "count")]
+    assert metrics._callbacks_var.get() == ()
+
+
+def test_add_callback_not_reentrant():
+    scope = context_meter.add_callback(lambda *args: None)
+    with scope:
+        with pytest.raises(RuntimeError, match="not reentrant"):
+            with scope:
+                pass
+    # Can be reused sequentially
+    with scope:
+        assert len(metrics._callbacks_var.get()) == 1
+    assert metrics._callbacks_var.get() == ()
+
+
+@pytest.mark.parametrize(
+    "label,value,unit,exc,match",
+    [
+        ("x", "1", "count", TypeError, "must be a real number"),
+        ("x", None, "count", TypeError, "must be a real number"),
+        ("x", True, "count", TypeError, "must be a real number"),
+        ("x", 1 + 0j, "count", TypeError, "must be a real number"),
+        ("x", float("nan"), "seconds", ValueError, "must be a finite number"),
+        ("x", float("inf"), "seconds", ValueError, "must be a finite number"),
+        ("x", -float("inf"), "seconds", ValueError, "must be a finite number"),
+        ("x", 1, b"count", TypeError, "unit must be a str"),
+        ("x", 1, None, TypeError, "unit must be a str"),
+        (["x"], 1, "count", TypeError, "label must be hashable"),
+    ],
+)
+def test_digest_metric_bad_input(label, value, unit, exc, match):
+    """Bad metrics are rejected at the call site, whether or not someone is
+    listening, and are not passed to the callbacks.
+    """
+    out = []
+    with context_meter.add_callback(lambda *args: out.append(args)):
+        with pytest.raises(exc, match=match):
+            context_meter.digest_metric(label, value, unit)
+    with pytest.raises(exc, match=match):
+        context_meter.digest_metric(label, value, unit)
+    assert out == []
+
+
+def test_meter_bad_input():
+    with pytest.raises(TypeError, match="unit must be a str"):
+        context_meter.meter("x", unit=1)
+    with pytest.raises(TypeError, match="label must be hashable"):
+        context_meter.meter(["x"])
+    # Labels can be any hashable
+    out = []
+    with context_meter.add_callback(lambda *args: out.append(args)):
+        with context_meter.meter(("x", 1), func=FakeClock()):
+            pass
+    assert out == [(("x", 1), 0, "seconds")]
+
+
+def test_digest_metric_other_real_numbers():
+    out = []
+    with context_meter.add_callback(lambda *args: out.append(args)):
+        context_meter.digest_metric("x", Fraction(1, 2), "seconds")
+        context_meter.digest_metric("y", -1.5, "seconds")
+    assert out == [("x", Fraction(1, 2), "seconds"), ("y", -1.5, "seconds")]
+
+    np = pytest.importorskip("numpy")
+    with context_meter.add_callback(lambda *args: out.append(args)):
+        context_meter.digest_metric("z", np.int64(3), "count")
+        with pytest.raises(ValueError, match="finite"):
+            context_meter.digest_metric("z", np.float64("nan"), "count")
+    assert out[2:] == [("z", 3, "count")]
+
+
+def test_int_stays_int():
+    out = []
+    with context_meter.add_callback(lambda *args: out.append(args)):
+        context_meter.digest_metric("n", 1, "count")
+        with context_meter.meter("m"):
+            context_meter.digest_metric("b", 123, "bytes")
+            context_meter.digest_metric("s", 2, "seconds")
+    assert [(type(v), v) for _, v, _ in out[:3]] == [(int, 1), (int, 123), (int, 2)]
+
+    ledger = DelayedMetricsLedger()
+    with ledger.record():
+        context_meter.digest_metric("n", 1, "count")
+        context_meter.digest_metric("b", 10, "bytes")
+    for coarse_time in (False, "failed"):
+        out = ledger.finalize(coarse_time=coarse_time)
+        assert type(out[0][1]) is int
+        assert type(out[1][1]) is int
+
+
+@gen_test()
+async def test_context_meter_isolation_asyncio_tasks():
+    ev1 = asyncio.Event()
+    ev2 = asyncio.Event()
+    out1 = []
+    out2 = []
+
+    async def task1():
+        with context_meter.add_callback(lambda *args: out1.append(args)):
+            with context_meter.meter("t1"):
+                ev2.set()
+                await ev1.wait()
+                context_meter.digest_metric("n1", 1, "count")
+
+    async def task2():
+        with context_meter.add_callback(lambda *args: out2.append(args)):
+            with context_meter.meter("t2"):
+                await ev2.wait()
+                context_meter.digest_metric("n2", 2, "seconds")
+                ev1.set()
+
+    out0 = []
+    with context_meter.add_callback(lambda *args: out0.append(args)):
+        # Tasks inherit a copy of the context at the moment of their creation
+        await asyncio.gather(task1(), task2())
+
+    assert [m[0] for m in out1] == ["n1", "t1"]
+    assert [m[0] for m in out2] == ["n2", "t2"]
+    assert [m[0] for m in out0] == ["n2", "t2", "n1", "t1"]
+    # The seconds of n2 were not subtracted from t1
+    assert out2[0] == ("n2", 2, "seconds")
+    assert metrics._callbacks_var.get() == ()
+
+
+def test_context_meter_isolation_threads():
+    out_main = []
+    out_thread = []
+    barrier = threading.Barrier(2)
+
+    def thread_main():
+        with context_meter.add_callback(lambda *args: out_thread.append(args)):
+            barrier.wait()
+            context_meter.digest_metric("thread", 1, "count")
+            barrier.wait()
+
+    t = threading.Thread(target=thread_main)
+    with context_meter.add_callback(lambda *args: out_main.append(args)):
+        t.start()
+        barrier.wait()
+        context_meter.digest_metric("main", 2, "count")
+        barrier.wait()
+        t.join()
+
+    assert out_main == [("main", 2, "count")]
+    assert out_thread == [("thread", 1, "count")]
+
+
+def test_context_meter_thread_with_context():
+    """Running a thread in a copy of the context makes it see the callbacks, and
+    its seconds are subtracted from the enclosing meter.
+    """
+    clock = FakeClock()
+    out = []
+
+    def thread_main():
+        with context_meter.meter("thread", func=clock):
+            clock.t += 1
+
+    with context_meter.add_callback(lambda *args: out.append(args)):
+        with context_meter.meter("main", func=clock):
+            ctx = contextvars.copy_context()
+            t = threading.Thread(target=ctx.run, args=(thread_main,))
+            t.start()
+            t.join()
+            clock.t += 2
+
+    assert out == [("thread", 1, "seconds"), ("main", 2, "seconds")]
+
+
+def test_delayed_metrics_ledger():
+    clock = FakeClock()
+    ledger = DelayedMetricsLedger(clock)
+    clock.t = 1
+    with ledger.record():
+        with context_meter.meter("foo", func=clock):
+            clock.t += 2
+        context_meter.digest_metric("n", 1, "count")
+    clock.t += 4
+    # Re-enter the same ledger later, e.g. from a callback
+    with ledger.record():
+        context_meter.digest_metric("foo", 0.5, "seconds")
+        context_meter.digest_metric("b", 10, "bytes")
+    clock.t += 8
+    # Not recorded
+    context_meter.digest_metric("bar", 100, "seconds")
+
+    assert ledger.finalize() == [
+        ("foo", 2, "seconds"),
+        ("n", 1, "count"),
+        ("foo", 0.5, "seconds"),
+        ("b", 10, "bytes"),
+        ("other", 12.5, "seconds"),
+    ]
+    assert ledger.finalize(coarse_time="failed") == [
+        ("n", 1, "count"),
+        ("b", 10, "bytes"),
+        ("failed", 15, "seconds"),
+    ]
+
+
+def test_delayed_metrics_ledger_floor():
+    clock = FakeClock()
+    ledger = DelayedMetricsLedger(clock)
+    with ledger.record():
+        context_meter.digest_metric("foo", 3, "seconds")
+    clock.t = 1
+    assert ledger.finalize() == [("foo", 3, "seconds"), ("other", 0, "seconds")]
+    assert ledger.finalize(floor=False) == [
+        ("foo", 3, "seconds"),
+        ("other", -2, "seconds"),
+    ]
+    assert ledger.finalize(floor=1.5) == [
+        ("foo", 3, "seconds"),
+        ("other", 1.5, "seconds"),
+    ]
+    clock.t = -1
+    assert ledger.finalize(coarse_time="x") == [("x", 0, "seconds")]
+    assert ledger.finalize(coarse_time="x", floor=False) == [("x", -1, "seconds")]
+
+
+def test_delayed_metrics_ledger_nested_in_meter():
+    """The ledger's callback stacks on top of the ones already installed"""
+    clock = FakeClock()
+    out = []
+    with context_meter.add_callback(lambda *args: out.append(args)):
+        ledger = DelayedMetricsLedger(clock)
+        with ledger.record():
+            with context_meter.meter("foo", func=clock):
+                clock.t += 1
+    assert out == [("foo", 1, "seconds")]
+    assert ledger.finalize() == [("foo", 1, "seconds"), ("other", 0, "seconds")]
+
+
+@gen_test()
+async def test_delayed_metrics_ledger_thread_and_callback():
+    ledger = DelayedMetricsLedger()
+    loop = asyncio.get_running_loop()
+
+    def in_thread():
+        context_meter.digest_metric("thread", 1, "count")
+        return threading.get_ident()
+
+    with ledger.record():
+        ctx = contextvars.copy_context()
+        tid = await loop.run_in_executor(None, ctx.run, in_thread)
+    assert tid != threading.get_ident()
+
+    fut = loop.create_future()
+
+    def callback():
+        with ledger.record():
+            context_meter.digest_metric("callback", 2, "count")
+        fut.set_result(None)
+
+    loop.call_soon(callback)
+    await fut
+
+    labels = [label for label, _, _ in ledger.finalize()]
+    assert labels == ["thread", "callback", "other"]
+
+
+def test_no_leaks():
+    """Nothing piles up after many uses"""
+    for _ in range(1000):
+        ledger = DelayedMetricsLedger()
+        with ledger.record():
+            with context_meter.meter("x"):
+                context_meter.digest_metric("y", 1, "count")
+        ledger.finalize()
+    assert metrics._callbacks_var.get() == ()
+    assert metrics._current_meter_var.get() is None
+
+
+def test_meter_logs_on_block_error_only(caplog):
+    with caplog.at_level(logging.ERROR, logger="distributed.metrics"):
+        with context_meter.add_callback(lambda *args: None):
+            with context_meter.meter("x"):
+                pass
+    assert not caplog.records
