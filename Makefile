@@ -43,7 +43,7 @@ test: install
 	$(PY) -m pytest tools/tests benchmarks/tests $(PYTEST_ARGS)
 
 demo: install
-	$(PY) -m distributed.fine_metrics_demo
+	$(PY) -m distributed.diagnostics.fine_metrics
 
 # pre-commit with local hooks (the tools are pinned in the constraints). The
 # overlay and the files the series patches are checked inside build/tree,
@@ -52,7 +52,8 @@ PATCHED = $(shell cd build/tree && git diff --name-only --diff-filter=AM upstrea
 lint: install
 	cd build/tree && PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) -m pre_commit run \
 		--config $(CURDIR)/.pre-commit-config.yaml --files $(PATCHED)
-	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) -m pre_commit run --all-files
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH $(PY) -m pre_commit run \
+		--files $$(find tools benchmarks -name '*.py' -not -path '*/__pycache__/*')
 
 # Two environments under build/bench/: the fork (a regular install of
 # build/tree) and pristine distributed 2023.3.1 from the package index.

@@ -36,6 +36,7 @@ EXCLUDE = [
     ".mypy_cache/",
     "dask-worker-space/",
     "dask-scratch-space/",
+    "test_cluster_dump/",
     ".eggs/",
 ]
 

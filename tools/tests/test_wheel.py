@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from conftest import REPO
 
 CONSTRAINTS = REPO / "continuous_integration" / "constraints-py3.11.txt"
@@ -54,3 +55,26 @@ def test_pip_install_builds_labelled_wheel(tmp_path: Path) -> None:
     assert Path(path).is_relative_to(venv)
     # The fork's own files are in the wheel too (but not its tests)
     assert (Path(path).parent / "metrics.py").exists()
+
+
+@pytest.mark.slow
+def test_pip_install_from_git_url(tmp_path: Path) -> None:
+    """``pip install git+URL@BRANCH`` of the committed state of this checkout"""
+    proc = subprocess.run(
+        ["git", "-C", str(REPO), "rev-parse", "--abbrev-ref", "HEAD"],
+        capture_output=True,
+        text=True,
+    )
+    if proc.returncode:
+        pytest.skip("not a git checkout with commits")
+    branch = proc.stdout.strip()
+    venv = tmp_path / "venv"
+    run(sys.executable, "-m", "venv", venv)
+    python = venv / "bin" / "python"
+    env = dict(os.environ, PIP_CONSTRAINT=str(CONSTRAINTS))
+    url = f"git+file://{REPO}@{branch}"
+    run(python, "-m", "pip", "install", "--quiet", url, env=env, cwd=tmp_path)
+    version = run(
+        python, "-c", "import distributed; print(distributed.__version__)", cwd=tmp_path
+    ).strip()
+    assert version.startswith("2023.3.1+fm")

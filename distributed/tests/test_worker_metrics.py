@@ -1,0 +1,906 @@
+"""End-to-end tests of the fine performance metrics of the worker: execute,
+gather-dep, get-data and memory-monitor, as posted to Worker.digests_total and
+carried on the events of the worker state machine.
+"""
+from __future__ import annotations
+
+import asyncio
+import gc
+import threading
+import time
+import traceback
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from typing import Any
+
+import pytest
+
+import dask
+
+from distributed import Client, Event, Reschedule, get_client, get_worker, secede
+from distributed.compatibility import PeriodicCallback
+from distributed.core import Status
+from distributed.metrics import DelayedMetricsLedger, _callbacks_var, context_meter
+from distributed.spill import SpillBuffer
+from distributed.utils_test import (
+    BlockedGatherDep,
+    BlockedGetData,
+    async_poll_for,
+    gen_cluster,
+    inc,
+    wait_for_state,
+)
+from distributed.worker import Worker
+from distributed.worker_state_machine import (
+    ExecuteDoneEvent,
+    ExecuteFailureEvent,
+    ExecuteSuccessEvent,
+    FreeKeysEvent,
+    GatherDepDoneEvent,
+    GatherDepNetworkFailureEvent,
+    GatherDepSuccessEvent,
+    RescheduleEvent,
+)
+
+REMOVED_DIGESTS = {
+    "compute-duration",
+    "get-data-load-duration",
+    "get-data-send-duration",
+    "disk-load-duration",
+    "disk-write-target-duration",
+    "disk-write-spill-duration",
+}
+
+
+def activity_digests(w: Worker, activity: str) -> dict:
+    """Worker.digests_total for one activity, without the activity itself"""
+    return {
+        k[1:]: v
+        for k, v in w.digests_total.items()
+        if isinstance(k, tuple) and k[0] == activity
+    }
+
+
+def execute_digests(w: Worker, prefix: str) -> dict:
+    return {
+        k[1:]: v for k, v in activity_digests(w, "execute").items() if k[0] == prefix
+    }
+
+
+def events_of(w: Worker, cls: type, key: str | None = None) -> list:
+    return [
+        ev
+        for ev in w.state.stimulus_log
+        if isinstance(ev, cls) and (key is None or getattr(ev, "key", None) == key)
+    ]
+
+
+def sum_metrics(events: Iterable[ExecuteDoneEvent | GatherDepDoneEvent]) -> dict:
+    """Sum the metrics of events by (label, unit)"""
+    out: defaultdict = defaultdict(int)
+    for ev in events:
+        for label, value, unit in ev.metrics:
+            out[label, unit] += value
+    return dict(out)
+
+
+def busy(seconds: float) -> None:
+    """Burn CPU in the current thread"""
+    t0 = time.thread_time()
+    while time.thread_time() < t0 + seconds:
+        pass
+
+
+def emit_and_sleep(x):
+    with context_meter.meter("my-sleep"):
+        time.sleep(0.02)
+    context_meter.digest_metric(("ping", "x"), 1, "count")
+    context_meter.digest_metric("my-bytes", 10, "bytes")
+    busy(0.02)
+    return x + 1
+
+
+@gen_cluster(client=True, nthreads=[("", 1)])
+async def test_execute_thread_pool(c, s, a):
+    t0 = time.perf_counter()
+    assert await c.submit(emit_and_sleep, 1, key="f-1") == 2
+    elapsed = time.perf_counter() - t0
+
+    [ev] = events_of(a, ExecuteSuccessEvent, "f-1")
+    labels = [(label, unit) for label, _, unit in ev.metrics]
+    assert labels == [
+        ("deserialize", "seconds"),
+        ("my-sleep", "seconds"),
+        (("ping", "x"), "count"),
+        ("my-bytes", "bytes"),
+        ("thread-cpu", "seconds"),
+        ("thread-noncpu", "seconds"),
+        ("other", "seconds"),
+    ]
+    m = {(label, unit): value for label, value, unit in ev.metrics}
+    # The label is always a single element of the key, even when it's a tuple
+    assert execute_digests(a, "f") == m
+    # int stays int
+    assert m[("ping", "x"), "count"] == 1
+    assert type(m[("ping", "x"), "count"]) is int
+    assert type(a.digests_total["execute", "f", ("ping", "x"), "count"]) is int
+    assert type(a.digests_total["execute", "f", "my-bytes", "bytes"]) is int
+    assert m["my-sleep", "seconds"] >= 0.02
+    # The task's own seconds are subtracted from the thread time
+    [startstop] = a.state.tasks["f-1"].startstops
+    compute = startstop["stop"] - startstop["start"]
+    assert (
+        m["thread-cpu", "seconds"] + m["thread-noncpu", "seconds"]
+        <= compute - m["my-sleep", "seconds"]
+    )
+    # The seconds posted for the task never exceed the wall time around it
+    seconds = sum(v for (_, unit), v in m.items() if unit == "seconds")
+    assert 0.04 <= seconds <= elapsed
+    assert all(v >= 0 for v in m.values())
+    assert not REMOVED_DIGESTS & set(a.digests_total)
+
+    # startstops (used by the scheduler for occupancy) measure only the in-thread
+    # compute
+    [startstop] = a.state.tasks["f-1"].startstops
+    assert startstop["action"] == "compute"
+    assert 0.04 <= startstop["stop"] - startstop["start"] <= elapsed
+
+
+@gen_cluster(client=True, nthreads=[("", 1)])
+async def test_execute_thread_cpu(c, s, a):
+    """Time spent burning CPU goes to thread-cpu, time spent waiting goes to
+    thread-noncpu
+    """
+
+    def f():
+        busy(0.1)
+        time.sleep(0.1)
+
+    await c.submit(f, key="f-1")
+    m = execute_digests(a, "f")
+    assert m["thread-cpu", "seconds"] >= 0.09
+    assert m["thread-noncpu", "seconds"] >= 0.09
+
+
+@gen_cluster(client=True, nthreads=[("", 1)])
+async def test_execute_async_task(c, s, a):
+    async def f():
+        await asyncio.sleep(0.02)
+        context_meter.digest_metric("n", 2, "count")
+        return 1
+
+    t0 = time.perf_counter()
+    assert await c.submit(f, key="f-1") == 1
+    elapsed = time.perf_counter() - t0
+    [ev] = events_of(a, ExecuteSuccessEvent, "f-1")
+    assert [(label, unit) for label, _, unit in ev.metrics] == [
+        ("deserialize", "seconds"),
+        ("n", "count"),
+        ("thread-noncpu", "seconds"),
+        ("other", "seconds"),
+    ]
+    m = execute_digests(a, "f")
+    assert m["thread-noncpu", "seconds"] >= 0.02
+    assert m["n", "count"] == 2
+    assert sum(v for (_, u), v in m.items() if u == "seconds") <= elapsed
+
+
+class CustomExecutor(Executor):
+    """An executor that is neither a ThreadPoolExecutor nor propagates
+    contextvars
+    """
+
+    def __init__(self):
+        self._pool = ThreadPoolExecutor(1)
+
+    def submit(self, fn: Callable, /, *args: Any, **kwargs: Any) -> Future:
+        return self._pool.submit(fn, *args, **kwargs)
+
+    def shutdown(self, wait=True, **kwargs):
+        self._pool.shutdown(wait=wait)
+
+
+@gen_cluster(
+    client=True,
+    nthreads=[("", 1)],
+    worker_kwargs={"executor": {"custom": CustomExecutor()}},
+)
+async def test_execute_other_executor(c, s, a):
+    def f():
+        context_meter.digest_metric("n", 1, "count")  # Can't reach the worker
+        time.sleep(0.02)
+
+    with dask.annotate(executor="custom"):
+        x = c.submit(f, key="f-1")
+    await x
+    m = execute_digests(a, "f")
+    assert set(m) == {
+        ("deserialize", "seconds"),
+        ("executor", "seconds"),
+        ("other", "seconds"),
+    }
+    assert m["executor", "seconds"] >= 0.02
+
+
+def raise_after_emitting():
+    context_meter.digest_metric("n", 1, "count")
+    time.sleep(0.01)
+    raise ValueError("my error")
+
+
+@gen_cluster(client=True, nthreads=[("", 1)])
+async def test_execute_failed(c, s, a):
+    x = c.submit(raise_after_emitting, key="f-1")
+    with pytest.raises(ValueError, match="my error"):
+        await x
+    # The task's own traceback is intact
+    tb = await x.traceback()
+    assert "raise_after_emitting" in "".join(traceback.format_tb(tb))
+    [ev] = events_of(a, ExecuteFailureEvent, "f-1")
+    # Non-time metrics are kept; all time is in one lump
+    assert [(label, unit) for label, _, unit in ev.metrics] == [
+        ("n", "count"),
+        ("failed", "seconds"),
+    ]
+    m = execute_digests(a, "f")
+    assert m == {(label, unit): value for label, value, unit in ev.metrics}
+    assert m["failed", "seconds"] >= 0.01
+
+    # startstops are unchanged
+    assert [ss["action"] for ss in a.state.tasks["f-1"].startstops] == ["compute"]
+
+
+@pytest.mark.parametrize(
+    "value,unit,exc",
+    [
+        (float("nan"), "seconds", ValueError),
+        (float("inf"), "count", ValueError),
+        ("1", "count", TypeError),
+        (1, None, TypeError),
+    ],
+)
+@gen_cluster(client=True, nthreads=[("", 1)])
+async def test_execute_bad_metric(c, s, a, value, unit, exc):
+    """A task that emits a bad metric fails like any task raising, and the worker
+    stays healthy
+    """
+
+    def f():
+        context_meter.digest_metric("bad", value, unit)
+
+    with pytest.raises(exc):
+        await c.submit(f, key="f-1")
+    assert a.status == Status.running
+    assert await c.submit(emit_and_sleep, 1, key="g-1") == 2
+    assert ("execute", "f", "failed", "seconds") in a.digests_total
+    assert not any(k[2] == "bad" for k in activity_digests(a, "execute"))
+
+
+@gen_cluster(client=True, nthreads=[("", 1)])
+async def test_metering_failure_does_not_hide_task_error(c, s, a, monkeypatch):
+    """If the metering itself fails, the task's own error and traceback still
+    reach the client
+    """
+
+    orig = DelayedMetricsLedger._callback
+
+    def bad_callback(self, label, value, unit):
+        if label == "thread-cpu":
+            raise RuntimeError("metering is broken")
+        orig(self, label, value, unit)
+
+    monkeypatch.setattr(DelayedMetricsLedger, "_callback", bad_callback)
+
+    x = c.submit(raise_after_emitting, key="f-1")
+    with pytest.raises(ValueError, match="my error"):
+        await x
+    assert a.status == Status.running
+
+
+@gen_cluster(client=True, nthreads=[("", 1)])
+async def test_execute_cancelled(c, s, a):
+    """A task cancelled while running puts all its time in the cancelled lump"""
+    ev_in, ev_out = Event(), Event()
+
+    def f(ev_in, ev_out):
+        context_meter.digest_metric("n", 1, "count")
+        ev_in.set()
+        ev_out.wait()
+
+    x = c.submit(f, ev_in, ev_out, key="f-1")
+    await ev_in.wait()
+    x.release()
+    await wait_for_state("f-1", "cancelled", a)
+    await ev_out.set()
+    await async_poll_for(lambda: "f-1" not in a.state.tasks, timeout=5)
+
+    [ev] = events_of(a, ExecuteSuccessEvent, "f-1")
+    assert [(label, unit) for label, _, unit in ev.metrics] == [
+        ("n", "count"),
+        ("cancelled", "seconds"),
+    ]
+    assert execute_digests(a, "f") == {
+        (label, unit): value for label, value, unit in ev.metrics
+    }
+
+
+@gen_cluster(client=True, nthreads=[("", 1)])
+async def test_execute_rescheduled(c, s, a):
+    def f():
+        context_meter.digest_metric("n", 1, "count")
+        raise Reschedule()
+
+    # Rescheduled forever on the only worker
+    c.submit(f, key="f-1")
+    await async_poll_for(lambda: events_of(a, RescheduleEvent, "f-1"), timeout=5)
+    ev = events_of(a, RescheduleEvent, "f-1")[0]
+    assert [(label, unit) for label, _, unit in ev.metrics] == [
+        ("n", "count"),
+        ("cancelled", "seconds"),
+    ]
+    evs = events_of(a, RescheduleEvent, "f-1")
+    m = execute_digests(a, "f")
+    # The worker may have re-run it meanwhile
+    assert m["n", "count"] >= len(evs)
+    assert set(m) == {("n", "count"), ("cancelled", "seconds")}
+
+
+in_task = threading.Event()
+block_task = threading.Event()
+
+
+def emit_and_block():
+    context_meter.digest_metric("n", 1, "count")
+    in_task.set()
+    block_task.wait(timeout=10)
+
+
+@gen_cluster(client=True, nthreads=[("", 1)])
+async def test_worker_close_with_execute_in_flight(c, s, a):
+    """No metric is lost or double counted when a worker closes while a task is
+    running
+    """
+    in_task.clear()
+    block_task.clear()
+    c.submit(emit_and_block, key="f-1")
+    await asyncio.get_running_loop().run_in_executor(None, in_task.wait)
+    # Worker.close() waits for the thread pool
+    close_task = asyncio.create_task(a.close())
+    await async_poll_for(lambda: a.status == Status.closing, timeout=5)
+    await async_poll_for(lambda: not a._async_instructions, timeout=5)
+    block_task.set()
+    await close_task
+
+    # There is no event; the metrics are posted directly
+    assert not events_of(a, ExecuteDoneEvent)
+    m = execute_digests(a, "f")
+    assert set(m) == {("n", "count"), ("cancelled", "seconds")}
+    assert m["n", "count"] == 1
+    assert not a._async_instructions_metrics
+
+
+@gen_cluster(client=True)
+async def test_gather_dep(c, s, a, b):
+    x = c.submit(lambda: b"0" * 10_000_000, key="x", workers=[a.address])
+    y = c.submit(len, x, key="y", workers=[b.address])
+    assert await y == 10_000_000
+
+    [ev] = events_of(b, GatherDepSuccessEvent)
+    m = {(label, unit): value for label, value, unit in ev.metrics}
+    assert activity_digests(b, "gather-dep") == m
+    assert {"network", "deserialize", "other"} <= {label for label, _ in m}
+    assert all(unit == "seconds" for _, unit in m)
+    assert m["network", "seconds"] > 0
+
+    # The sender's side
+    await async_poll_for(lambda: not a.transfer_outgoing_count, timeout=5)
+    m = activity_digests(a, "get-data")
+    assert {("network", "seconds"), ("serialize", "seconds")} <= set(m)
+
+    # Upstream behaviour: startstops and transfer bookkeeping
+    [startstop] = [
+        ss for ss in b.state.tasks["y"].startstops if ss["action"] == "transfer"
+    ]
+    assert startstop["source"] == a.address
+    assert b.state.transfer_incoming_bytes == 0
+    assert not b.state.in_flight_workers
+    assert list(b.transfer_incoming_log)[-1]["keys"] == {"x": pytest.approx(1e7, 0.01)}
+    assert a.transfer_outgoing_count == 0
+    assert a.transfer_outgoing_bytes == 0
+    assert list(a.transfer_outgoing_log)[-1]["who"] == b.address
+    assert "transfer-bandwidth" in b.digests_total
+    assert not REMOVED_DIGESTS & set(a.digests_total)
+    assert not REMOVED_DIGESTS & set(b.digests_total)
+
+
+@gen_cluster(client=True, nthreads=[("", 1)])
+async def test_gather_dep_peer_dies(c, s, a):
+    """A peer dies mid-transfer: the whole attempt goes in the failed lump"""
+    async with BlockedGetData(s.address) as x:
+        fx = c.submit(inc, 1, key="x", workers=[x.address], allow_other_workers=True)
+        await wait_for_state("x", "memory", x)
+        fy = c.submit(inc, fx, key="y", workers=[a.address])
+        await x.in_get_data.wait()
+        close_task = asyncio.create_task(x.close())
+        # x is lost and recomputed on a
+        assert await fy == 3
+        x.block_get_data.set()
+        await close_task
+
+    evs = events_of(a, GatherDepDoneEvent)
+    assert len(evs) == 1
+    assert isinstance(evs[0], GatherDepNetworkFailureEvent)
+    assert [label for label, _, _ in evs[0].metrics] == ["failed"]
+    assert activity_digests(a, "gather-dep") == {
+        ("failed", "seconds"): evs[0].metrics[0][1]
+    }
+
+
+@gen_cluster(client=True)
+async def test_gather_dep_busy(c, s, a, b):
+    a.transfer_outgoing_count_limit = 0  # Always busy
+    x = c.submit(inc, 1, key="x", workers=[a.address])
+    y = c.submit(inc, x, key="y", workers=[b.address])
+    await async_poll_for(
+        lambda: ("gather-dep", "busy", "seconds") in b.digests_total, 5
+    )
+    a.transfer_outgoing_count_limit = 10
+    assert await y == 3
+    evs = events_of(b, GatherDepDoneEvent)
+    assert {ev.metrics[-1][0] for ev in evs} == {"busy", "other"}
+    assert activity_digests(b, "gather-dep") == sum_metrics(evs)
+
+
+@gen_cluster(client=True)
+async def test_gather_dep_missing(c, s, a, b):
+    """The peer had none of the keys"""
+    x = c.submit(inc, 1, key="x", workers=[a.address])
+    await x
+    async with BlockedGatherDep(s.address) as w:
+        y = c.submit(inc, x, key="y", workers=[w.address])
+        await w.in_gather_dep.wait()
+        # Release x on a behind the scheduler's back; a tells the scheduler, which
+        # recomputes x
+        a.handle_stimulus(FreeKeysEvent(keys=["x"], stimulus_id="test"))
+        w.block_gather_dep.set()
+        assert await y == 3
+        evs = events_of(w, GatherDepDoneEvent)
+        assert evs[0].metrics[-1][0] == "missing"
+        assert activity_digests(w, "gather-dep") == sum_metrics(evs)
+
+
+@gen_cluster(client=True)
+async def test_gather_dep_cancelled(c, s, a, b):
+    """Data arrived, but no key ended in memory"""
+    x = c.submit(inc, 1, key="x", workers=[a.address])
+    await x
+    async with BlockedGatherDep(s.address) as w:
+        y = c.submit(inc, x, key="y", workers=[w.address])
+        await wait_for_state("x", "flight", w)
+        await w.in_gather_dep.wait()
+        y.release()
+        await wait_for_state("x", "cancelled", w)
+        w.block_gather_dep.set()
+        await async_poll_for(lambda: events_of(w, GatherDepDoneEvent), timeout=5)
+        [ev] = events_of(w, GatherDepDoneEvent)
+        assert isinstance(ev, GatherDepSuccessEvent)
+        assert set(ev.data) == {"x"}
+        assert [label for label, _, _ in ev.metrics] == ["cancelled"]
+        assert activity_digests(w, "gather-dep") == sum_metrics([ev])
+
+
+@gen_cluster(client=True, nthreads=[("", 1)])
+async def test_worker_close_with_gather_dep_in_flight(c, s, a):
+    x = c.submit(inc, 1, key="x", workers=[a.address])
+    await x
+    async with BlockedGatherDep(s.address) as w:
+        c.submit(inc, x, key="y", workers=[w.address])
+        await w.in_gather_dep.wait()
+    assert set(activity_digests(w, "gather-dep")) == {("cancelled", "seconds")}
+    assert not w._async_instructions_metrics
+
+
+def n_callbacks(*args):
+    return len(_callbacks_var.get())
+
+
+def seceding(x):
+    secede()
+    return len(_callbacks_var.get())
+
+
+@gen_cluster(client=True, nthreads=[("", 2)])
+async def test_no_leaks(c, s, a):
+    """After many tasks, including tasks that secede, every task sees exactly one
+    callback (its own ledger's), and no ledger is left alive.
+    """
+
+    n_before = len(_callbacks_var.get())
+    futs = c.map(seceding, range(5), key=[f"s-{i}" for i in range(5)])
+    futs += c.map(n_callbacks, range(200), key=[f"n-{i}" for i in range(200)])
+    assert set(await c.gather(futs)) == {1}
+    assert len(_callbacks_var.get()) == n_before
+    assert not a._async_instructions
+    assert not a._async_instructions_metrics
+    del futs
+    gc.collect()
+    assert not [o for o in gc.get_objects() if isinstance(o, DelayedMetricsLedger)]
+    # 205 tasks, each counted once
+    evs = events_of(a, ExecuteSuccessEvent)
+    assert len(evs) == min(205, a.state.stimulus_log.maxlen or 205)
+
+
+@gen_cluster(client=True, nthreads=[("", 1)])
+async def test_stimulus_log_and_dump(c, s, a):
+    await c.submit(emit_and_sleep, 1, key="f-1")
+    [ev] = events_of(a, ExecuteSuccessEvent, "f-1")
+    assert ev.metrics
+    d = a._to_dict()
+    [logged] = [
+        e
+        for e in d["stimulus_log"]
+        if e["cls"] == "ExecuteSuccessEvent" and e["key"] == "f-1"
+    ]
+    assert len(logged["metrics"]) == len(ev.metrics)
+    assert logged["metrics"][0] == ["deserialize", ev.metrics[0][1], "seconds"]
+
+
+@gen_cluster(client=True, nthreads=[("", 1)])
+async def test_digests_int_stays_int(c, s, a):
+    a.digest_metric("n", 1)
+    a.digest_metric("n", 2)
+    assert a.digests_total["n"] == 3
+    assert type(a.digests_total["n"]) is int
+    assert type(a.digests_max["n"]) is int
+    a.digest_metric("x", 0.0)
+    assert type(a.digests_total["x"]) is float
+    assert type(a.digests_max["x"]) is float
+    a.digest_metric("n", 0.5)
+    assert a.digests_total["n"] == 3.5
+    assert a.digests_max["n"] == 2
+    # Tuple keys
+    a.digest_metric(("foo", "bar"), 1)
+    assert a.digests_total["foo", "bar"] == 1
+
+
+SPILL_LABELS = [
+    (label, unit)
+    for label in ("disk-write", "disk-read")
+    for unit in ("seconds", "count", "bytes")
+]
+
+
+async def assert_spill_accounted(w: Worker) -> None:
+    """Everything the SpillBuffer did is accounted for exactly once across the
+    activities of the worker: nothing lost, nothing counted twice
+    """
+    assert isinstance(w.data, SpillBuffer)
+    # get_data posts its metrics after the peer acknowledged receipt, which may
+    # happen after the peer (e.g. the client) moved on
+    await async_poll_for(lambda: not w.transfer_outgoing_count, timeout=5)
+    totals: defaultdict = defaultdict(int)
+    for k, v in w.digests_total.items():
+        if isinstance(k, tuple) and k[0] in {
+            "execute",
+            "gather-dep",
+            "get-data",
+            "memory-monitor",
+        }:
+            totals[k[-2:]] += v
+    for label, unit in SPILL_LABELS:
+        expect = w.data.cumulative_metrics.get((label, unit), 0)
+        if unit == "seconds":
+            assert totals[label, unit] == pytest.approx(expect), (label, unit)
+        else:
+            assert totals[label, unit] == expect, (label, unit)
+            assert type(totals[label, unit]) is int
+
+
+def make_big(i=0):
+    return b"0" * 2_000_000
+
+
+@gen_cluster(
+    client=True,
+    nthreads=[("", 1), ("", 1)],
+    worker_kwargs={"memory_limit": "1 GiB"},
+    config={
+        # Spill anything larger than ~1 MiB as soon as it's inserted
+        "distributed.worker.memory.target": 0.001,
+        "distributed.worker.memory.spill": False,
+        "distributed.worker.memory.pause": False,
+    },
+)
+async def test_spill_and_unspill(c, s, a, b):
+    x = c.submit(make_big, key="x", workers=[a.address])
+    await wait_for_state("x", "memory", a)
+    assert "x" in a.data.slow
+
+    # Spilling the output is part of execute
+    [ev] = events_of(a, ExecuteSuccessEvent, "x")
+    m = {(label, unit): value for label, value, unit in ev.metrics}
+    assert m["disk-write", "count"] == 1
+    assert m["disk-write", "bytes"] > 0
+    assert type(m["disk-write", "bytes"]) is int
+    assert m["disk-write", "seconds"] > 0
+    assert m["serialize", "seconds"] > 0
+    assert execute_digests(a, "x") == m
+
+    # Unspilling the inputs is part of execute
+    y = c.submit(len, x, key="y", workers=[a.address])
+    assert await y == 2_000_000
+    m = execute_digests(a, "y")
+    assert m["disk-read", "count"] == 1
+    assert m["disk-read", "bytes"] > 0
+    assert m["disk-read", "seconds"] > 0
+    assert m["deserialize", "seconds"] > 0
+
+    # Sending spilled data is part of get-data; spilling what arrived is part of
+    # gather-dep
+    z = c.submit(len, x, key="z", workers=[b.address])
+    assert await z == 2_000_000
+    await async_poll_for(lambda: not a.transfer_outgoing_count, timeout=5)
+    m = activity_digests(a, "get-data")
+    assert m["disk-read", "count"] >= 1
+    assert {("network", "seconds"), ("serialize", "seconds")} <= set(m)
+    [ev] = events_of(b, GatherDepSuccessEvent)
+    m = {(label, unit): value for label, value, unit in ev.metrics}
+    assert m["disk-write", "count"] == 1
+    assert {"network", "deserialize", "serialize", "disk-write", "other"} <= {
+        label for label, _ in m
+    }
+    assert activity_digests(b, "gather-dep") == m
+
+    await assert_spill_accounted(a)
+    await assert_spill_accounted(b)
+    assert not activity_digests(a, "memory-monitor")
+    assert not REMOVED_DIGESTS & set(a.digests_total)
+
+
+def read_and_block(x, ev_in, ev_out):
+    ev_in.set()
+    ev_out.wait()
+    return len(x)
+
+
+@gen_cluster(
+    client=True,
+    nthreads=[("", 1)],
+    worker_kwargs={"memory_limit": "1 GiB"},
+    config={
+        "distributed.worker.memory.target": False,
+        "distributed.worker.memory.spill": 0.7,
+        "distributed.worker.memory.pause": False,
+        "distributed.worker.memory.monitor-interval": "10ms",
+    },
+)
+async def test_memory_monitor(c, s, a):
+    """The memory monitor spills concurrently with a running task. Its metrics
+    don't land in the task's, nor the other way round.
+    """
+    # Spill everything, as soon as possible
+    a.monitor.get_process_memory = lambda: 2**40 if a.data.fast else 0
+
+    x = c.submit(make_big, key="x")
+    await async_poll_for(lambda: "x" in a.data.slow, timeout=5)
+    m = activity_digests(a, "memory-monitor")
+    assert m["disk-write", "count"] == 1
+    assert type(m["disk-write", "count"]) is int
+    assert m["disk-write", "bytes"] > 0
+    assert m["serialize", "seconds"] > 0
+    assert ("disk-write", "seconds") in m
+    assert set(execute_digests(a, "x")) == {
+        ("deserialize", "seconds"),
+        ("thread-cpu", "seconds"),
+        ("thread-noncpu", "seconds"),
+        ("other", "seconds"),
+    }
+
+    # The task unspills x, then the memory monitor spills it again while the task
+    # is running
+    ev_in, ev_out = Event(), Event()
+    y = c.submit(read_and_block, x, ev_in, ev_out, key="y")
+    await ev_in.wait()
+    await async_poll_for(lambda: "x" in a.data.slow, timeout=5)
+    assert activity_digests(a, "memory-monitor")["disk-write", "count"] == 2
+    await ev_out.set()
+    assert await y == 2_000_000
+
+    [ev] = events_of(a, ExecuteSuccessEvent, "y")
+    labels = {label for label, _, _ in ev.metrics}
+    assert "disk-read" in labels
+    assert "disk-write" not in labels
+    m = activity_digests(a, "memory-monitor")
+    # x twice, and possibly the output of y
+    assert m["disk-write", "count"] >= 2
+    assert not any(label == "disk-read" for label, _ in m)
+    await assert_spill_accounted(a)
+
+
+@gen_cluster(
+    client=True,
+    worker_kwargs={"memory_limit": "1 GiB"},
+    config={
+        "distributed.worker.memory.target": False,
+        "distributed.worker.memory.spill": 0.7,
+        "distributed.worker.memory.pause": False,
+        "distributed.worker.memory.monitor-interval": "10ms",
+    },
+)
+async def test_memory_monitor_and_transfers(c, s, a, b):
+    """The memory monitors spill concurrently with get_data and gather_dep. Their
+    metrics don't mix.
+    """
+    for w in (a, b):
+        w.monitor.get_process_memory = lambda w=w: 2**40 if w.data.fast else 0
+
+    x = c.submit(make_big, key="x", workers=[a.address])
+    await async_poll_for(lambda: "x" in a.data.slow, timeout=5)
+    z = c.submit(len, x, key="z", workers=[b.address])
+    assert await z == 2_000_000
+    await async_poll_for(lambda: "x" in b.data.slow, timeout=5)
+
+    # a unspilled x to send it
+    await async_poll_for(lambda: not a.transfer_outgoing_count, timeout=5)
+    assert activity_digests(a, "get-data")["disk-read", "count"] == 1
+    # b spilled x after it arrived, in the memory monitor
+    [ev] = events_of(b, GatherDepSuccessEvent)
+    assert not any(label.startswith("disk-") for label, _, _ in ev.metrics)
+    assert activity_digests(b, "gather-dep") == sum_metrics([ev])
+    assert activity_digests(b, "memory-monitor")["disk-write", "count"] >= 1
+    await assert_spill_accounted(a)
+    await assert_spill_accounted(b)
+
+
+@pytest.mark.slow
+@gen_cluster(client=True, nthreads=[("", 2)])
+async def test_no_leaks_many_tasks(c, s, a):
+    n = 10_000
+    futs = c.map(n_callbacks, range(n), key=[f"n-{i}" for i in range(n)])
+    assert set(await c.gather(futs)) == {1}
+    del futs
+    assert not a._async_instructions_metrics
+    gc.collect()
+    assert not [o for o in gc.get_objects() if isinstance(o, DelayedMetricsLedger)]
+    assert a.digests_total["execute", "n", "thread-cpu", "seconds"] > 0
+
+
+def use_worker_client(x):
+    return get_client().submit(inc, x, key=f"inner-{x}").result()
+
+
+async def use_worker_client_async(x):
+    return await get_client().submit(inc, x, key=f"inner-{x}")
+
+
+@pytest.mark.parametrize("func", [use_worker_client, use_worker_client_async])
+@gen_cluster(client=False, nthreads=[("", 2)])
+async def test_worker_client_does_not_inherit_task_metrics(s, a, func):
+    """The client that a worker creates when a task first calls get_client() must
+    not inherit the task's context: its background tasks would keep dispatching
+    their metrics to the callbacks of that task forever.
+    """
+    async with Client(s.address, asynchronous=True, set_as_default=False) as c:
+        assert await c.submit(func, 1, key="outer-1") == 2
+        assert a._client is not None
+        assert a._client is not c
+        # The periodic callbacks of the client are rescheduled, forever, in a copy
+        # of the context where they were started
+        for pc in a._client._periodic_callbacks.values():
+            assert pc._timeout._context.get(_callbacks_var, ()) == ()
+
+
+started_by_tasks: list[PeriodicCallback] = []
+n_periodic_runs = 0
+
+
+def start_periodic_callback():
+    """Start, on the worker's event loop, a periodic callback that outlives the
+    task, like e.g. a Semaphore does
+    """
+
+    def cb():
+        global n_periodic_runs
+        n_periodic_runs += 1
+        context_meter.digest_metric("periodic", 1, "count")
+
+    pc = PeriodicCallback(cb, 10)
+    started_by_tasks.append(pc)
+    get_worker().loop.add_callback(pc.start)
+
+
+@gen_cluster(client=True, nthreads=[("", 1)])
+async def test_ledger_does_not_outlive_instruction(c, s, a):
+    """Whatever a task starts that outlives it inherits its context, but must
+    neither feed nor keep alive the ledger of its Execute instruction
+    """
+    started_by_tasks.clear()
+    try:
+        await c.submit(start_periodic_callback, key="f-1")
+        [ev] = events_of(a, ExecuteSuccessEvent, "f-1")
+        n_metrics = len(ev.metrics)
+        digests = execute_digests(a, "f")
+        [pc] = started_by_tasks
+        # Wait for the periodic callback to run a few times after the task
+        n0 = n_periodic_runs
+        await async_poll_for(lambda: n_periodic_runs > n0 + 3, timeout=5)
+
+        assert len(ev.metrics) == n_metrics
+        assert execute_digests(a, "f") == digests
+        assert not any(label == "periodic" for label, _ in digests)
+        gc.collect()
+        assert not [o for o in gc.get_objects() if isinstance(o, DelayedMetricsLedger)]
+    finally:
+        for pc in started_by_tasks:
+            pc.stop()
+
+
+class BigUnpicklable:
+    def __sizeof__(self):
+        return 2_000_000
+
+    def __reduce__(self):
+        raise TypeError("can't pickle me")
+
+
+@gen_cluster(
+    client=True,
+    nthreads=[("", 1)],
+    worker_kwargs={"memory_limit": "1 GiB"},
+    config={
+        "distributed.worker.memory.target": 0.001,
+        "distributed.worker.memory.spill": False,
+        "distributed.worker.memory.pause": False,
+    },
+)
+async def test_execute_output_fails_to_spill(c, s, a):
+    """The output of the task is too large for memory and fails to serialize: the
+    task fails, and its time goes in the failed lump
+    """
+    x = c.submit(BigUnpicklable, key="x")
+    with pytest.raises(TypeError, match="Could not serialize"):
+        await x
+    [ev] = events_of(a, ExecuteSuccessEvent, "x")
+    assert [label for label, _, _ in ev.metrics] == ["failed"]
+    assert execute_digests(a, "x") == sum_metrics([ev])
+    assert a.status == Status.running
+    await assert_spill_accounted(a)
+
+
+@gen_cluster(
+    client=True,
+    nthreads=[("", 1)],
+    worker_kwargs={"memory_limit": "1 GiB"},
+    config={
+        "distributed.worker.memory.target": False,
+        "distributed.worker.memory.spill": 0.7,
+        "distributed.worker.memory.pause": 0.8,
+        "distributed.worker.memory.monitor-interval": "10ms",
+    },
+)
+async def test_memory_monitor_unpauses(c, s, a):
+    """The memory monitor's periodic callback unpauses the worker, which starts a
+    task from within it. The task's metrics don't land in the memory monitor.
+    """
+    memory = 0
+    a.monitor.get_process_memory = lambda: memory
+    # Fill the only thread, so that the next task waits on the worker
+    ev = Event()
+    blocker = c.submit(lambda ev: ev.wait(), ev, key="blocker")
+    await wait_for_state("blocker", "executing", a)
+    x = c.submit(emit_and_sleep, 1, key="f-1")
+    await wait_for_state("f-1", "ready", a)
+    memory = 2**40
+    await async_poll_for(lambda: a.status == Status.paused, timeout=5)
+    await ev.set()
+    await blocker
+    assert a.state.tasks["f-1"].state == "ready"
+    memory = 0
+    assert await x == 2
+    assert a.status == Status.running
+    assert execute_digests(a, "f")[("ping", "x"), "count"] == 1
+    # The memory monitor may have spilled the output of blocker, and nothing else
+    m = activity_digests(a, "memory-monitor")
+    assert {label for label, _ in m} <= {"serialize", "compress", "disk-write"}
+    await assert_spill_accounted(a)
