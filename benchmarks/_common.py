@@ -1,0 +1,173 @@
+"""Helpers shared by the benchmark scripts.
+
+Every script in this directory runs alone (``python benchmarks/bench_X.py --size N``)
+and prints exactly one JSON object of figures on its last line of stdout, which is
+what ``benchmarks/run.py`` collects. The scripts must run unchanged against both the
+fork and pristine distributed 2023.3.1, so anything that only exists in the fork is
+feature-detected here.
+"""
+from __future__ import annotations
+
+import argparse
+import contextvars
+import gc
+import json
+import math
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any, Union
+
+import psutil
+
+import dask
+from distributed import Client, LocalCluster
+
+#: What a figure may be: a number, or None where it does not apply (pristine)
+FigureValue = Union[int, float, None]
+
+
+def parse_size(description: str, default: int, argv: Sequence[str] | None) -> int:
+    """Parse the command line shared by all scripts and return ``--size``"""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument(
+        "--size",
+        type=int,
+        default=default,
+        help=f"how much work to do; see the script's docstring (default {default})",
+    )
+    size: int = parser.parse_args(argv).size
+    if size < 1:
+        parser.error("--size must be positive")
+    return size
+
+
+def emit(figures: Mapping[str, FigureValue | bool | str]) -> None:
+    """Print the figures as one JSON line, the only thing the runner reads"""
+    for name, value in figures.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"figure {name} is not finite: {value}")
+    print(json.dumps(figures), flush=True)
+
+
+def fine_metrics_api() -> Any | None:
+    """Return ``distributed.metrics`` if it has the fork's metering API, else None"""
+    import distributed.metrics
+
+    needed = ("context_meter", "DelayedMetricsLedger", "meter")
+    if all(hasattr(distributed.metrics, name) for name in needed):
+        return distributed.metrics
+    return None
+
+
+@contextmanager
+def cluster(
+    n_workers: int,
+    processes: bool = True,
+    config: Mapping[str, Any] | None = None,
+    **worker_kwargs: Any,
+) -> Iterator[Client]:
+    """A LocalCluster of single-threaded workers and a client connected to it.
+
+    Queuing on the scheduler is turned off: with it, a single-threaded worker
+    holds one or two tasks at a time and trivial tasks run at the pace of the
+    batched-send intervals, which measures idle time rather than overhead. The
+    dashboard is left out: bokeh may be missing from either environment, and its
+    periodic callbacks would only add noise to the CPU readings. ``config`` is set
+    in this process, and the nannies hand it on to the worker processes.
+    """
+    config = {"distributed.scheduler.worker-saturation": float("inf"), **(config or {})}
+    with dask.config.set(config), LocalCluster(
+        n_workers=n_workers,
+        threads_per_worker=1,
+        processes=processes,
+        dashboard_address=None,
+        **worker_kwargs,
+    ) as lc, Client(lc) as client:
+        yield client
+
+
+def worker_pids(client: Client) -> list[int]:
+    """Process ids of all the workers, in the order of their addresses"""
+    pids = client.run(os.getpid)
+    return [pids[addr] for addr in sorted(pids)]
+
+
+def cpu_seconds(pids: Sequence[int]) -> float:
+    """User + system CPU seconds consumed so far by the given processes"""
+    total = 0.0
+    for pid in pids:
+        times = psutil.Process(pid).cpu_times()
+        total += times.user + times.system
+    return total
+
+
+def noop(x: int) -> int:
+    """The trivial task: all of its cost is in the scheduler and the worker"""
+    return x
+
+
+def payload(nbytes: int) -> bytes:
+    """Fresh data that lz4 compresses about 2:1, so that (de)compression takes part.
+
+    The random half is sliced from a block made once per process: generating
+    random bytes anew for every result would cost more CPU than the transfer or
+    spill being measured, and hide it.
+    """
+    global _random_block
+    half = nbytes // 2
+    if len(_random_block) < half:
+        _random_block = os.urandom(half)
+    return _random_block[:half] + bytes(nbytes - half)
+
+
+_random_block = b""
+
+
+def worker_state() -> dict[str, FigureValue]:
+    """Read the memory and metering state of the worker this runs in.
+
+    Meant for ``client.run``. ``callbacks`` counts the callbacks installed on
+    ``context_meter`` as the calling context sees them and ``ledgers`` the
+    ``DelayedMetricsLedger`` objects still alive after a full collection. Both
+    are None in pristine; ``callbacks`` is also None if the fork does not keep
+    its callbacks as :func:`installed_callbacks` expects.
+    """
+    gc.collect()
+    state: dict[str, FigureValue] = {
+        "rss": psutil.Process().memory_info().rss,
+        "callbacks": None,
+        "ledgers": None,
+    }
+    api = fine_metrics_api()
+    if api is None:
+        return state
+    state["ledgers"] = sum(
+        isinstance(obj, api.DelayedMetricsLedger) for obj in gc.get_objects()
+    )
+    state["callbacks"] = installed_callbacks(api)
+    return state
+
+
+def installed_callbacks(api: Any) -> int | None:
+    """Count the callbacks that ``api.context_meter`` holds in the current context.
+
+    The fork keeps them in a ContextVar holding a sized collection, on the
+    ContextMeter or in its module; rather than depend on a private name, add up
+    every such ContextVar found there. None if there is none.
+    """
+    meter = api.context_meter
+    candidates = [getattr(meter, name, None) for name in dir(meter)]
+    candidates += list(vars(api).values())
+    found = False
+    total = 0
+    for var in candidates:
+        if not isinstance(var, contextvars.ContextVar):
+            continue
+        value = var.get(None)
+        if value is None:
+            found = True
+        elif hasattr(value, "__len__"):
+            found = True
+            total += len(value)
+    return total if found else None

@@ -1,0 +1,256 @@
+"""Smoke test of the benchmark scripts and their runner.
+
+Each script runs once with a tiny size under the interpreter running the tests,
+and must print the figures it documents, with sane values. Nothing here asserts
+on timings: speed is what the benchmarks report, not what the tests check.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+import distributed.metrics
+
+BENCH = Path(__file__).resolve().parent.parent
+#: Figures of each script, and the tiny size to run it with
+FIGURES = {
+    "trivial": ({"tasks_per_s", "cpu_us_per_task"}, 200),
+    "cluster": ({"worker_cpu_us_per_task", "wall_s", "tasks_per_s"}, 200),
+    "transfer": ({"worker_cpu_us_per_dep", "wall_s"}, 100),
+    "spill": ({"worker_cpu_us_per_task", "wall_s", "spilled_fraction"}, 20),
+    "micro": (
+        {
+            "digest_0cb_us",
+            "digest_1cb_us",
+            "digest_3cb_us",
+            "meter_flat_us",
+            "meter_nested3_us",
+            "ledger_us",
+        },
+        1000,
+    ),
+    "memory": (
+        {"rss_mib", "rss_growth_mib", "callbacks_growth", "ledgers_growth"},
+        500,
+    ),
+}
+#: Figures that may be zero or negative
+SIGNED = {"rss_growth_mib", "callbacks_growth", "ledgers_growth"}
+HAS_FINE_METRICS = hasattr(distributed.metrics, "context_meter")
+
+
+def child_env() -> dict[str, str]:
+    """Make the scripts import the same distributed as this test does, even when
+    it is found through the current directory rather than PYTHONPATH
+    """
+    env = dict(os.environ)
+    root = str(Path(distributed.__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    return env
+
+
+def run_script(name: str, size: int) -> dict[str, Any]:
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / f"bench_{name}.py"), "--size", str(size)],
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    figures = json.loads(lines[-1])
+    assert isinstance(figures, dict)
+    return figures
+
+
+@pytest.mark.parametrize("name", list(FIGURES))
+def test_script(name: str) -> None:
+    expected, size = FIGURES[name]
+    figures = run_script(name, size)
+    if name == "micro" and not HAS_FINE_METRICS:
+        assert figures == {"applicable": False}
+        return
+    assert set(figures) == expected
+    for figure, value in figures.items():
+        if value is None:
+            # Only the fork's own state may be unknown, and only in pristine
+            assert figure in {"callbacks_growth", "ledgers_growth"}
+            assert not HAS_FINE_METRICS
+            continue
+        assert isinstance(value, (int, float)) and not isinstance(value, bool)
+        assert math.isfinite(value), figure
+        if figure not in SIGNED:
+            assert value > 0, figure
+    if name == "spill":
+        assert figures["spilled_fraction"] <= 1
+    if name == "memory" and HAS_FINE_METRICS:
+        assert isinstance(figures["callbacks_growth"], int)
+        assert isinstance(figures["ledgers_growth"], int)
+
+
+@pytest.fixture
+def python(tmp_path: Path) -> str:
+    """This interpreter, behind a wrapper that sets its own PYTHONPATH, since the
+    runner does not pass its own on
+    """
+    wrapper = tmp_path / "python"
+    pythonpath = child_env()["PYTHONPATH"]
+    wrapper.write_text(
+        f'#!/bin/sh\nPYTHONPATH="{pythonpath}" exec "{sys.executable}" "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    return str(wrapper)
+
+
+def run_runner(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(BENCH / "run.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="shell wrapper")
+def test_runner(python: str, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proc = run_runner(
+        "--fork",
+        python,
+        "--pristine",
+        python,
+        "--tiny",
+        "--only",
+        "trivial,micro",
+        "--rounds",
+        "2",
+        "--out",
+        str(out),
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "cpu_us_per_task" in proc.stdout
+    assert "ratio <= 1.02" in proc.stdout
+
+    doc = json.loads((out / "latest.json").read_text())
+    assert doc["mode"] == "tiny"
+    assert doc["machine"]["cores"] >= 1
+    assert (out / "latest.txt").read_text().strip() == doc["report"]
+    assert len(list(out.glob("bench-*-tiny.json"))) == 1
+
+    trivial = doc["workloads"]["trivial"]
+    assert trivial["errors"] == []
+    assert [len(trivial["runs"][side]) for side in ("fork", "pristine")] == [2, 2]
+    row = next(r for r in trivial["summary"] if r["figure"] == "cpu_us_per_task")
+    assert row["ratio"] == row["fork"]["median"] / row["pristine"]["median"]
+    assert row["met"] in (True, False)
+    # The micro workload never runs in pristine
+    assert list(doc["workloads"]["micro"]["runs"]) == ["fork"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(sys.platform == "win32", reason="shell wrapper")
+def test_runner_all(python: str, tmp_path: Path) -> None:
+    proc = run_runner(
+        "--fork", python, "--pristine", python, "--tiny", "--out", str(tmp_path)
+    )
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads((tmp_path / "latest.json").read_text())
+    assert list(doc["workloads"]) == list(FIGURES)
+    assert all(not w["errors"] for w in doc["workloads"].values())
+
+
+def test_runner_bad_arguments(python: str, tmp_path: Path) -> None:
+    proc = run_runner("--fork", "x", "--pristine", "y", "--only", "nosuch")
+    assert proc.returncode == 2
+    assert "unknown workload(s): nosuch" in proc.stderr
+
+    proc = run_runner(
+        "--fork",
+        python,
+        "--pristine",
+        "/nonexistent/python",
+        "--out",
+        str(tmp_path / "out"),
+    )
+    assert proc.returncode == 1
+    assert "Cannot run /nonexistent/python" in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.fixture(scope="module")
+def runner() -> ModuleType:
+    """run.py imported as a module, for its pure functions"""
+    spec = importlib.util.spec_from_file_location("bench_run", BENCH / "run.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_target(runner: ModuleType) -> None:
+    strict = runner.Target(0.4, strict=True)
+    assert str(strict) == "< 0.4"
+    assert strict.check(0.39, None) is True
+    assert strict.check(0.4, None) is False
+    assert strict.check(None, 1.0) is None
+
+    ratio = runner.Target(1.02, ratio=True)
+    assert str(ratio) == "ratio <= 1.02"
+    assert ratio.check(100.0, 1.02) is True
+    assert ratio.check(1.0, 1.03) is False
+    assert ratio.check(1.0, None) is None
+
+
+def test_summarize_and_table(runner: ModuleType) -> None:
+    w = runner.Workload(
+        "memory",
+        (1, 1, 1),
+        (1, 1, 1),
+        targets={
+            "rss_mib": runner.Target(1.05, ratio=True),
+            "ledgers_growth": runner.Target(0),
+        },
+    )
+    runs = {
+        "fork": [
+            {"rss_mib": 110, "ledgers_growth": 0},
+            {"rss_mib": 90, "ledgers_growth": 2},
+        ],
+        "pristine": [{"rss_mib": 100, "ledgers_growth": None}],
+    }
+    rows = runner.summarize(w, runs)
+    rss, ledgers = rows
+    assert rss["fork"] == {"median": 100, "min": 90, "max": 110}
+    assert rss["ratio"] == 1.0
+    assert rss["met"] is True
+    assert ledgers["pristine"] is None
+    assert ledgers["ratio"] is None
+    assert ledgers["met"] is False  # median of 0 and 2 is 1
+
+    text = runner.table(rows)
+    assert "90..110" in text
+    assert "MISS" in text
+    assert "MISSED memory.ledgers_growth" in runner.verdict(rows, {})
+
+
+def test_summarize_missing_figure(runner: ModuleType) -> None:
+    """A target whose figure no run produced shows up as not measured"""
+    w = runner.Workload(
+        "micro", (1, 1, 1), (1, 1, 1), targets={"meter_flat_us": runner.Target(2.0)}
+    )
+    (row,) = runner.summarize(w, {"fork": []})
+    assert row["figure"] == "meter_flat_us"
+    assert row["fork"] is None
+    assert row["met"] is None
+    assert "NOT MEASURED micro.meter_flat_us" in runner.verdict([row], {})
