@@ -417,3 +417,34 @@ async def test_base_worker_instructions_are_isolated(ws):
     assert [m[0] for m in evy.metrics] == ["n", "thread-noncpu", "other"]
     assert w.digested["execute", "x", "n", "count"] == 1
     assert w.digested["execute", "y", "n", "count"] == 1
+
+
+@gen_test()
+async def test_base_worker_handling_final_event_is_metered(ws):
+    """What is metered while the final event of an instruction is handled (e.g.
+    spilling the output of a task) belongs to that instruction, and not to the
+    instructions that handling the event starts
+    """
+
+    class SendMeteringWorker(MetricsMockWorker):
+        def batched_send(self, msg):
+            if msg["op"] == "task-finished":
+                context_meter.digest_metric("send", 1, "count")
+
+    w = SendMeteringWorker(ws)
+    w.execute_events["x"] = evx = ExecuteSuccessEvent.dummy("x", 1, stimulus_id="s")
+    w.execute_events["y"] = evy = ExecuteSuccessEvent.dummy("y", 1, stimulus_id="s")
+    ws.nthreads = 1
+    w.block.set()
+    w.handle_stimulus(
+        ComputeTaskEvent.dummy("x", stimulus_id="s1"),
+        ComputeTaskEvent.dummy("y", stimulus_id="s1"),
+    )
+    # Only one thread: y starts while the final event of x is handled
+    assert len(w._async_instructions) == 1
+    await async_poll_for(lambda: ws.tasks["y"].state == "memory", timeout=5)
+    assert [m[0] for m in evx.metrics] == ["n", "thread-noncpu", "send", "other"]
+    assert [m[0] for m in evy.metrics] == ["n", "thread-noncpu", "send", "other"]
+    assert w.digested["execute", "x", "send", "count"] == 1
+    assert w.digested["execute", "y", "send", "count"] == 1
+    assert not w._async_instructions_metrics
