@@ -9,9 +9,10 @@ Usage::
 with the fork installed and one with pristine distributed 2023.3.1. Each workload
 script (``bench_NAME.py`` beside this file) runs in a fresh subprocess of each
 interpreter in turn, A B A B, for a few rounds after a warm-up; the runner prints
-the median, min-max spread and fork/pristine ratio of every figure, checks the
-targets, and writes all raw numbers as JSON under ``--out``. Each script runs
-pinned to one CPU (see :func:`run_script`). docs/benchmarks.rst says more.
+the median, min-max spread and fork/pristine ratio of every figure (of the
+medians, and the median of each round's ratio), checks the targets, and writes
+all raw numbers as JSON under ``--out``. Each script runs pinned to one CPU (see
+:func:`run_script`). docs/benchmarks.rst says more.
 
 Only the standard library is used here, so that any python can run this.
 Exit status: 0 if every run succeeded (whether targets were met or not), 1 if any
@@ -294,8 +295,26 @@ def stats(values: list[float]) -> dict[str, float] | None:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
+def paired_ratio(runs: dict[str, list[Figures]], name: str) -> float | None:
+    """Median over the rounds of fork / pristine, or None if there is no pair.
+
+    The two runs of a round are adjacent in time, so this is less sensitive than
+    the ratio of medians to a machine whose speed drifts during the benchmark.
+    """
+    ratios = [
+        f[name] / p[name]
+        for f, p in zip(runs.get("fork", []), runs.get("pristine", []))
+        if isinstance(f.get(name), (int, float))
+        and isinstance(p.get(name), (int, float))
+        and p[name]
+    ]
+    return statistics.median(ratios) if ratios else None
+
+
 def summarize(w: Workload, runs: dict[str, list[Figures]]) -> list[dict[str, Any]]:
-    """One row per figure: stats per side, ratio of medians, target check"""
+    """One row per figure: stats per side, ratio of medians, median of the ratios
+    of each round, target check (on the ratio of medians)
+    """
     names: list[str] = []
     for side_runs in runs.values():
         for figures in side_runs:
@@ -316,6 +335,7 @@ def summarize(w: Workload, runs: dict[str, list[Figures]]) -> list[dict[str, Any
         pristine = row["pristine"]["median"] if row["pristine"] else None
         ratio = fork / pristine if fork is not None and pristine else None
         row["ratio"] = ratio
+        row["paired"] = paired_ratio(runs, name)
         target = w.targets.get(name)
         row["target"] = str(target) if target else None
         row["met"] = target.check(fork, ratio) if target else None
@@ -342,6 +362,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         "pristine",
         "pristine min..max",
         "ratio",
+        "paired",
         "target",
         "",
     ]
@@ -355,7 +376,8 @@ def table(rows: list[dict[str, Any]]) -> str:
                 if s
                 else ["n/a", ""]
             )
-        line.append(f"{row['ratio']:.3f}" if row["ratio"] is not None else "n/a")
+        for col in ("ratio", "paired"):
+            line.append(f"{row[col]:.3f}" if row[col] is not None else "n/a")
         line.append(row["target"] or "")
         line.append({True: "ok", False: "MISS", None: ""}[row["met"]])
         if row["target"] and row["met"] is None:

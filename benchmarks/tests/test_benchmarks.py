@@ -233,15 +233,39 @@ def test_summarize_and_table(runner: ModuleType) -> None:
     rss, ledgers = rows
     assert rss["fork"] == {"median": 100, "min": 90, "max": 110}
     assert rss["ratio"] == 1.0
+    # Only the first round has both sides
+    assert rss["paired"] == 1.1
     assert rss["met"] is True
     assert ledgers["pristine"] is None
     assert ledgers["ratio"] is None
+    assert ledgers["paired"] is None
     assert ledgers["met"] is False  # median of 0 and 2 is 1
 
     text = runner.table(rows)
     assert "90..110" in text
     assert "MISS" in text
     assert "MISSED memory.ledgers_growth" in runner.verdict(rows, {})
+
+
+def test_paired_ratio(runner: ModuleType) -> None:
+    """The median of each round's ratio cancels a drift that the ratio of medians
+    does not see
+    """
+    # The fork costs 10% more, but pristine's last run hit a slow spell
+    runs = {
+        "fork": [{"cpu": 110}, {"cpu": 220}, {"cpu": 150}],
+        "pristine": [{"cpu": 100}, {"cpu": 200}, {"cpu": 300}],
+    }
+    assert runner.paired_ratio(runs, "cpu") == pytest.approx(1.1)
+    assert runner.summarize(runner.Workload("w", (1, 1, 1), (3, 3, 3)), runs)[0][
+        "ratio"
+    ] == pytest.approx(0.75)
+    assert runner.paired_ratio(runs, "missing") is None
+    assert runner.paired_ratio({"fork": runs["fork"]}, "cpu") is None
+    # Pairs with a zero or missing pristine figure are left out
+    runs["pristine"][0]["cpu"] = 0
+    runs["pristine"][2]["cpu"] = None
+    assert runner.paired_ratio(runs, "cpu") == pytest.approx(1.1)
 
 
 def test_summarize_missing_figure(runner: ModuleType) -> None:
