@@ -384,7 +384,27 @@ def test_context_meter_callback_raise_others_still_called():
                 with pytest.raises(RuntimeError, match="bad1"):
                     with context_meter.meter("y", func=FakeClock()):
                         pass
-    assert out == [("x", 1, "count"), ("y", 0, "seconds")]
+                with pytest.raises(RuntimeError, match="bad1"):
+                    with context_meter.meter_thread():
+                        pass
+    assert out[:2] == [("x", 1, "count"), ("y", 0, "seconds")]
+    # The first failure of thread-cpu surfaces
+    assert [label for label, _, _ in out[2:]] == ["thread-cpu"]
+    assert metrics._current_meter_var.get() is None
+
+
+def test_context_meter_meter_thread_callback_raise():
+    """A failure in the only callback surfaces when the block itself did not raise"""
+
+    def cb(label, value, unit):
+        raise RuntimeError("callback failed")
+
+    with context_meter.add_callback(cb):
+        with pytest.raises(RuntimeError, match="callback failed"):
+            with context_meter.meter_thread():
+                pass
+    assert metrics._callbacks_var.get() == ()
+    assert metrics._current_meter_var.get() is None
 
 
 def test_add_callback_removed_on_error():

@@ -564,6 +564,32 @@ async def test_digests_int_stays_int(c, s, a):
     assert a.digests_total["foo", "bar"] == 1
 
 
+@gen_cluster(client=True, nthreads=[("", 1)])
+async def test_digest_metrics(c, s, a):
+    """Server.digest_metrics, which BaseWorker calls once per instruction, is the same
+    as calling digest_metric for each metric under (*prefix, label, unit)
+    """
+    metrics = [("x", 1, "count"), ("y", 0.5, "seconds"), ("x", 2, "count")]
+    a.digest_metrics(("foo",), metrics)
+    assert a.digests_total["foo", "x", "count"] == 3
+    assert type(a.digests_total["foo", "x", "count"]) is int
+    assert a.digests_max["foo", "x", "count"] == 2
+    assert a.digests_total["foo", "y", "seconds"] == 0.5
+    # Long prefixes and labels of any hashable type
+    a.digest_metrics(("foo", "bar"), [(("ping", "z"), 1.5, "seconds")])
+    assert a.digests_total["foo", "bar", ("ping", "z"), "seconds"] == 1.5
+
+    # Same as digest_metric; the scheduler has it too
+    for server in (a, s):
+        server.digest_metric(("baz", "x", "count"), 1)
+        server.digest_metric(("baz", "x", "count"), 2)
+        server.digest_metrics(("qux",), [("x", 1, "count"), ("x", 2, "count")])
+        assert server.digests_total["baz", "x", "count"] == 3
+        assert server.digests_total["qux", "x", "count"] == 3
+        assert server.digests_max["baz", "x", "count"] == 2
+        assert server.digests_max["qux", "x", "count"] == 2
+
+
 SPILL_LABELS = [
     (label, unit)
     for label in ("disk-write", "disk-read")
