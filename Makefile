@@ -12,7 +12,7 @@ TREE_INPUTS := $(shell find patches distributed tools/forktools conftest.py pypr
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
 
-.PHONY: tree refresh install test demo lint bench bench-quick clean
+.PHONY: tree refresh install test demo lint bench bench-quick bench-instructions clean
 
 tree:
 	$(FORK) tree
@@ -78,6 +78,12 @@ bench: $(BENCH_FORK)/.installed $(BENCH_PRISTINE)/.installed
 
 bench-quick:
 	$(MAKE) bench BENCH_ARGS="--quick $(BENCH_ARGS)"
+
+# Instructions per trivial task under valgrind's cachegrind (needs valgrind):
+# repeatable where CPU time is not. See docs/benchmarks.rst.
+bench-instructions: $(BENCH_FORK)/.installed $(BENCH_PRISTINE)/.installed
+	$(PYTHON) benchmarks/instructions.py --fork $(BENCH_FORK)/bin/python \
+		--pristine $(BENCH_PRISTINE)/bin/python $(BENCH_ARGS)
 
 clean:
 	rm -rf build $(VENV)

@@ -1,0 +1,126 @@
+"""Tests of benchmarks/instructions.py: parsing, arithmetic and arguments always,
+and a real run when valgrind is installed (slow).
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent
+
+#: The tail of what cachegrind prints on stderr (valgrind 3.19)
+STDERR = """\
+==25052== Cachegrind, a cache and branch-prediction profiler
+==25052== Command: python bench_trivial.py --size 200
+==25052==
+==25052==
+==25052== I   refs:      2,982,664,681
+"""
+
+
+@pytest.fixture(scope="module")
+def instructions() -> ModuleType:
+    sys.path.insert(0, str(BENCH))
+    try:
+        spec = importlib.util.spec_from_file_location(
+            "bench_instructions", BENCH / "instructions.py"
+        )
+        assert spec and spec.loader
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(BENCH))
+    return module
+
+
+def test_parse_total(instructions):
+    assert instructions.parse_total(STDERR) == 2_982_664_681
+
+
+@pytest.mark.parametrize(
+    "stderr",
+    [
+        "Traceback (most recent call last):\nImportError: no distributed\n",
+        # The counts of two processes (e.g. with --trace-children)
+        STDERR + STDERR.replace("25052", "25060"),
+    ],
+)
+def test_parse_total_bad_output(instructions, stderr):
+    with pytest.raises(RuntimeError, match="No instruction count"):
+        instructions.parse_total(stderr)
+
+
+def test_per_task(instructions):
+    # Start-up costs 1000 at both sizes; each task costs 7
+    assert instructions.per_task(1000 + 7 * 200, 1000 + 7 * 1700, (200, 1700)) == 7
+
+
+def test_pair_cpus(instructions):
+    a, b = instructions.pair_cpus(0), instructions.pair_cpus(1)
+    assert a == b[::-1]
+    assert len(a) == 2
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--sizes", "1700", "200"], "--sizes must be two increasing"),
+        (["--sizes", "0", "10"], "--sizes must be two increasing"),
+        (["--pairs", "0"], "--pairs must be positive"),
+    ],
+)
+def test_bad_arguments(instructions, capsys, argv, message):
+    with pytest.raises(SystemExit):
+        instructions.parse_args(["--fork", "a", "--pristine", "b", *argv])
+    assert message in capsys.readouterr().err
+
+
+def test_no_valgrind(instructions, monkeypatch):
+    monkeypatch.setattr(instructions.shutil, "which", lambda name: None)
+    with pytest.raises(SystemExit, match="valgrind is not installed"):
+        instructions.main(["--fork", "a", "--pristine", "b"])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("valgrind") is None, reason="needs valgrind")
+def test_end_to_end(tmp_path):
+    """The interpreter running the tests on both sides: an A/A pair. One side is
+    given by a path relative to the caller's directory, as make does.
+    """
+    python = Path(sys.executable)
+    relative = os.path.relpath(python, tmp_path)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH / "instructions.py"),
+            "--fork",
+            relative,
+            "--pristine",
+            str(python),
+            "--sizes",
+            "20",
+            "120",
+            "--pairs",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    *_, row, summary = proc.stdout.strip().splitlines()
+    pair, fork, pristine, ratio = row.split()
+    assert pair == "1"
+    assert int(fork.replace(",", "")) > 0
+    assert int(pristine.replace(",", "")) > 0
+    # Same interpreter on both sides; the counts vary a little with timing
+    assert 0.8 < float(ratio) < 1.25
+    assert summary.startswith("Instructions per task, fork / pristine: median ")
