@@ -34,7 +34,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
-from run import HERE, TIMEOUT, child_env
+from run import HERE, TIMEOUT, add_interpreter_arguments, child_env, interpreters
 
 SCRIPT = HERE / "bench_trivial.py"
 #: The total that cachegrind prints on stderr at exit
@@ -96,12 +96,19 @@ def run_pair(
             side: start(valgrind, python, size, cpu)
             for (side, python), cpu in zip(pythons.items(), cpus)
         }
-        for side, proc in procs.items():
-            _, stderr = proc.communicate(timeout=TIMEOUT)
-            if proc.returncode:
-                tail = "\n".join(stderr.strip().splitlines()[-15:])
-                raise RuntimeError(f"{side} exited with {proc.returncode}:\n{tail}")
-            totals[side].append(parse_total(stderr))
+        try:
+            for side, proc in procs.items():
+                _, stderr = proc.communicate(timeout=TIMEOUT)
+                if proc.returncode:
+                    tail = "\n".join(stderr.strip().splitlines()[-15:])
+                    raise RuntimeError(f"{side} exited with {proc.returncode}:\n{tail}")
+                totals[side].append(parse_total(stderr))
+        finally:
+            # Don't leave the other side running when one fails
+            for proc in procs.values():
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
     return {side: per_task(t[0], t[1], sizes) for side, t in totals.items()}
 
 
@@ -122,8 +129,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description="Instructions per trivial task, fork against pristine"
     )
-    parser.add_argument("--fork", required=True, help="python of the fork's env")
-    parser.add_argument("--pristine", required=True, help="python of pristine's env")
+    add_interpreter_arguments(parser)
     parser.add_argument(
         "--sizes",
         type=int,
@@ -148,11 +154,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     valgrind = shutil.which("valgrind")
     if valgrind is None:
         sys.exit("valgrind is not installed (Debian: apt-get install valgrind)")
-    # The scripts run from this directory: a relative path would not be found
-    pythons = {
-        side: os.path.abspath(exe) if os.sep in exe else exe
-        for side, exe in (("fork", args.fork), ("pristine", args.pristine))
-    }
+    pythons = interpreters(args)
     sizes = tuple(args.sizes)
     ratios = []
     print(f"{'pair':>4}  {'fork':>12}  {'pristine':>12}  {'ratio':>6}")

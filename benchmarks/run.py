@@ -406,12 +406,29 @@ def verdict(rows: list[dict[str, Any]], errors: dict[str, list[str]]) -> str:
     return "\n".join(lines) if lines else "All targets met."
 
 
+def add_interpreter_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--fork`` and ``--pristine``: the python of each environment"""
+    parser.add_argument("--fork", required=True, help="python of the fork's env")
+    parser.add_argument("--pristine", required=True, help="python of pristine's env")
+
+
+def interpreters(args: argparse.Namespace) -> dict[str, str]:
+    """``{"fork": python, "pristine": python}`` from the parsed arguments.
+
+    The scripts run from benchmarks/: paths to the interpreters are made absolute,
+    while bare names are left for the PATH to resolve.
+    """
+    return {
+        side: os.path.abspath(exe) if os.sep in exe else exe
+        for side, exe in (("fork", args.fork), ("pristine", args.pristine))
+    }
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description="Benchmark the fork against pristine distributed, interleaved."
     )
-    parser.add_argument("--fork", required=True, help="python of the fork's env")
-    parser.add_argument("--pristine", required=True, help="python of pristine's env")
+    add_interpreter_arguments(parser)
     parser.add_argument(
         "--quick", action="store_true", help="small sizes, fewer rounds (< 2 min)"
     )
@@ -490,11 +507,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Command line entry point; returns the exit status"""
     args = parse_args(argv)
     started = time.time()
-    # The scripts run from benchmarks/: make paths to the interpreters absolute
-    pythons = {
-        side: os.path.abspath(exe) if os.sep in exe else exe
-        for side, exe in (("fork", args.fork), ("pristine", args.pristine))
-    }
+    pythons = interpreters(args)
     host = machine()
     cpu = None if args.no_pin else pick_cpu()
     host["pinned_to_cpu"] = cpu

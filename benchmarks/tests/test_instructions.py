@@ -124,3 +124,28 @@ def test_end_to_end(tmp_path):
     # Same interpreter on both sides; the counts vary a little with timing
     assert 0.8 < float(ratio) < 1.25
     assert summary.startswith("Instructions per task, fork / pristine: median ")
+
+
+def test_run_pair_failure_stops_the_other_side(instructions, monkeypatch):
+    """When one side fails, the pair raises and the other side does not run on"""
+    started = []
+
+    def fake_start(valgrind, python, size, cpu):
+        code = (
+            "import sys; sys.exit(3)"
+            if python == "bad"
+            else "import time; time.sleep(60)"
+        )
+        proc = subprocess.Popen(
+            [sys.executable, "-c", code], stderr=subprocess.PIPE, text=True
+        )
+        started.append(proc)
+        return proc
+
+    monkeypatch.setattr(instructions, "start", fake_start)
+    with pytest.raises(RuntimeError, match="fork exited with 3"):
+        instructions.run_pair(
+            "valgrind", {"fork": "bad", "pristine": "good"}, (1, 2), [None, None]
+        )
+    assert len(started) == 2
+    assert all(proc.poll() is not None for proc in started)
