@@ -1,14 +1,12 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import contextvars
 import logging
 import math
 import pickle
 import threading
 import time
-import types
 from fractions import Fraction
 
 import pytest
@@ -384,26 +382,7 @@ def test_context_meter_callback_raise_others_still_called():
                 with pytest.raises(RuntimeError, match="bad1"):
                     with context_meter.meter("y", func=FakeClock()):
                         pass
-                with pytest.raises(RuntimeError, match="bad1"):
-                    with context_meter.meter_thread():
-                        pass
-    assert out[:2] == [("x", 1, "count"), ("y", 0, "seconds")]
-    # The first failure of thread-cpu surfaces
-    assert [label for label, _, _ in out[2:]] == ["thread-cpu"]
-    assert metrics._current_meter_var.get() is None
-
-
-def test_context_meter_meter_thread_callback_raise():
-    """A failure in the only callback surfaces when the block itself did not raise"""
-
-    def cb(label, value, unit):
-        raise RuntimeError("callback failed")
-
-    with context_meter.add_callback(cb):
-        with pytest.raises(RuntimeError, match="callback failed"):
-            with context_meter.meter_thread():
-                pass
-    assert metrics._callbacks_var.get() == ()
+    assert out == [("x", 1, "count"), ("y", 0, "seconds")]
     assert metrics._current_meter_var.get() is None
 
 
@@ -582,171 +561,6 @@ def test_context_meter_thread_with_context():
             clock.t += 2
 
     assert out == [("thread", 1, "seconds"), ("main", 2, "seconds")]
-
-
-@pytest.fixture
-def thread_clocks(monkeypatch):
-    """Fake wall and CPU clocks for context_meter.meter_thread"""
-    wall = FakeClock()
-    cpu = FakeClock()
-    monkeypatch.setattr(metrics, "thread_time", cpu)
-    monkeypatch.setattr(metrics, "timemod", types.SimpleNamespace(perf_counter=wall))
-    return wall, cpu
-
-
-@pytest.mark.parametrize(
-    "nested,expect_cpu,expect_noncpu",
-    [
-        (0, 3, 2),
-        # The seconds digested inside come out of the CPU time first...
-        (1, 2, 2),
-        # ...then out of the rest
-        (4, 0, 1),
-        # Both floored at 0
-        (6, 0, 0),
-    ],
-)
-def test_context_meter_meter_thread(thread_clocks, nested, expect_cpu, expect_noncpu):
-    wall, cpu = thread_clocks
-    out = []
-    with context_meter.add_callback(lambda *args: out.append(args)):
-        with context_meter.meter_thread():
-            wall.t += 5
-            cpu.t += 3
-            context_meter.digest_metric("n", 7, "count")  # Not subtracted
-            if nested:
-                context_meter.digest_metric("own", nested, "seconds")
-
-    assert out == [
-        ("n", 7, "count"),
-        *([("own", nested, "seconds")] if nested else []),
-        ("thread-cpu", expect_cpu, "seconds"),
-        ("thread-noncpu", expect_noncpu, "seconds"),
-    ]
-    assert metrics._current_meter_var.get() is None
-
-
-@pytest.mark.parametrize("nested", [0, 1, 4])
-def test_context_meter_meter_thread_same_as_two_meters(thread_clocks, nested):
-    """meter_thread() is a faster equivalent of two nested meters"""
-    wall, cpu = thread_clocks
-
-    def run(cm):
-        out = []
-        with context_meter.add_callback(lambda *args: out.append(args)):
-            with cm():
-                wall.t += 5
-                cpu.t += 3
-                context_meter.digest_metric("own", nested, "seconds")
-        return out
-
-    @contextlib.contextmanager
-    def two_meters():
-        with context_meter.meter("thread-noncpu", func=wall):
-            with context_meter.meter("thread-cpu", func=cpu):
-                yield
-
-    assert sorted(run(context_meter.meter_thread)) == sorted(run(two_meters))
-
-
-def test_context_meter_meter_thread_labels(thread_clocks):
-    wall, cpu = thread_clocks
-    out = []
-    with context_meter.add_callback(lambda *args: out.append(args)):
-        with context_meter.meter_thread(("a", "cpu"), ("a", "wait")):
-            wall.t += 2
-            cpu.t += 1
-    assert out == [(("a", "cpu"), 1, "seconds"), (("a", "wait"), 1, "seconds")]
-
-    with pytest.raises(TypeError, match="hashable"):
-        context_meter.meter_thread(["not", "hashable"])  # type: ignore[arg-type]
-
-
-def test_context_meter_meter_thread_nested_in_meter(thread_clocks):
-    """All the seconds digested inside meter_thread, and its own, are subtracted
-    from the enclosing meter
-    """
-    wall, cpu = thread_clocks
-    outer_clock = FakeClock()
-    out = []
-    with context_meter.add_callback(lambda *args: out.append(args)):
-        with context_meter.meter("outer", func=outer_clock):
-            with context_meter.meter_thread():
-                wall.t += 5
-                cpu.t += 3
-                context_meter.digest_metric("own", 1, "seconds")
-            outer_clock.t += 10
-    assert out == [
-        ("own", 1, "seconds"),
-        ("thread-cpu", 2, "seconds"),
-        ("thread-noncpu", 2, "seconds"),
-        ("outer", 5, "seconds"),
-    ]
-
-
-def test_context_meter_meter_thread_no_callbacks(monkeypatch):
-    """Nobody is listening: the clocks are not even read"""
-
-    def clock():
-        raise AssertionError("clock was read")  # pragma: nocover
-
-    monkeypatch.setattr(metrics, "thread_time", clock)
-    with context_meter.meter_thread():
-        pass
-
-
-def test_context_meter_meter_thread_raise(thread_clocks):
-    wall, cpu = thread_clocks
-    out = []
-    with pytest.raises(ValueError, match="foo"):
-        with context_meter.add_callback(lambda *args: out.append(args)):
-            with context_meter.meter_thread():
-                wall.t += 2
-                cpu.t += 1
-                raise ValueError("foo")
-    assert out == [("thread-cpu", 1, "seconds"), ("thread-noncpu", 1, "seconds")]
-    assert metrics._current_meter_var.get() is None
-
-
-def test_context_meter_meter_thread_callback_raise_does_not_hide_error(caplog):
-    def bad_callback(label, value, unit):
-        raise RuntimeError("bad callback")
-
-    with caplog.at_level(logging.ERROR, logger="distributed.metrics"):
-        with pytest.raises(ValueError, match="foo"):
-            with context_meter.add_callback(bad_callback):
-                with context_meter.meter_thread():
-                    raise ValueError("foo")
-    # Both metrics were attempted and logged
-    assert [r.exc_info[0] for r in caplog.records] == [RuntimeError, RuntimeError]
-
-
-def test_context_meter_meter_thread_not_reentrant():
-    block = context_meter.meter_thread()
-    with context_meter.add_callback(lambda *args: None):
-        with block:
-            with pytest.raises(RuntimeError, match="not reentrant"):
-                with block:
-                    pass  # pragma: nocover
-
-
-def test_context_meter_meter_thread_real_clocks():
-    """With the real clocks, CPU time shows as thread-cpu and sleeping as
-    thread-noncpu, and the total never exceeds the wall time around the block
-    """
-    out = []
-    with context_meter.add_callback(lambda *args: out.append(args)):
-        t0 = time.perf_counter()
-        with context_meter.meter_thread():
-            deadline = metrics.thread_time() + 0.05
-            while metrics.thread_time() < deadline:
-                pass
-            time.sleep(0.05)
-        elapsed = time.perf_counter() - t0
-    m = {label: value for label, value, _ in out}
-    assert m["thread-cpu"] >= 0.04
-    assert m["thread-noncpu"] >= 0.04
-    assert m["thread-cpu"] + m["thread-noncpu"] <= elapsed
 
 
 def test_new_context():

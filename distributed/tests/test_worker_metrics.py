@@ -31,7 +31,7 @@ from distributed.utils_test import (
     inc,
     wait_for_state,
 )
-from distributed.worker import Worker
+from distributed.worker import Worker, apply_function_simple
 from distributed.worker_state_machine import (
     ExecuteDoneEvent,
     ExecuteFailureEvent,
@@ -127,12 +127,12 @@ async def test_execute_thread_pool(c, s, a):
     assert type(a.digests_total["execute", "f", ("ping", "x"), "count"]) is int
     assert type(a.digests_total["execute", "f", "my-bytes", "bytes"]) is int
     assert m["my-sleep", "seconds"] >= 0.02
-    # The task's own seconds are subtracted from the thread time
+    # The in-thread time of the task, as in startstops, is broken down exactly: the
+    # task's own seconds are subtracted from the thread time
     [startstop] = a.state.tasks["f-1"].startstops
     compute = startstop["stop"] - startstop["start"]
-    assert (
-        m["thread-cpu", "seconds"] + m["thread-noncpu", "seconds"]
-        <= compute - m["my-sleep", "seconds"]
+    assert m["thread-cpu", "seconds"] + m["thread-noncpu", "seconds"] == pytest.approx(
+        compute - m["my-sleep", "seconds"], abs=1e-6
     )
     # The seconds posted for the task never exceed the wall time around it
     seconds = sum(v for (_, unit), v in m.items() if unit == "seconds")
@@ -277,25 +277,33 @@ async def test_execute_bad_metric(c, s, a, value, unit, exc):
     assert not any(k[2] == "bad" for k in activity_digests(a, "execute"))
 
 
+def raise_in_failing_meter():
+    def bad_callback(label, value, unit):
+        raise RuntimeError("metering is broken")
+
+    with context_meter.add_callback(bad_callback):
+        with context_meter.meter("my-meter"):
+            time.sleep(0.01)
+            raise ValueError("my error")
+
+
 @gen_cluster(client=True, nthreads=[("", 1)])
-async def test_metering_failure_does_not_hide_task_error(c, s, a, monkeypatch):
-    """If the metering itself fails, the task's own error and traceback still
-    reach the client
+async def test_metering_failure_does_not_hide_task_error(c, s, a):
+    """If the metering fails while a task raises, the task's own error and traceback
+    still reach the client, and the instruction keeps the metric
     """
-
-    orig = DelayedMetricsLedger._callback
-
-    def bad_callback(self, label, value, unit):
-        if label == "thread-cpu":
-            raise RuntimeError("metering is broken")
-        orig(self, label, value, unit)
-
-    monkeypatch.setattr(DelayedMetricsLedger, "_callback", bad_callback)
-
-    x = c.submit(raise_after_emitting, key="f-1")
+    x = c.submit(raise_in_failing_meter, key="f-1")
     with pytest.raises(ValueError, match="my error"):
         await x
+    tb = await x.traceback()
+    assert "raise_in_failing_meter" in "".join(traceback.format_tb(tb))
     assert a.status == Status.running
+    # The callbacks of the instruction were still called; as the task failed, its
+    # seconds are in the failed lump
+    [ev] = events_of(a, ExecuteFailureEvent, "f-1")
+    assert [label for label, _, _ in ev.metrics] == ["failed"]
+    assert ev.metrics[0][1] >= 0.01
+    assert await c.submit(inc, 1, key="g-1") == 2
 
 
 @gen_cluster(client=True, nthreads=[("", 1)])
@@ -930,3 +938,70 @@ async def test_memory_monitor_unpauses(c, s, a):
     m = activity_digests(a, "memory-monitor")
     assert {label for label, _ in m} <= {"serialize", "compress", "disk-write"}
     await assert_spill_accounted(a)
+
+
+def test_apply_function_simple_msg():
+    """apply_function_simple returns the CPU time of its thread next to what it
+    returned upstream, and needs no metering context
+    """
+    msg = apply_function_simple(busy, (0.05,), {}, 1000)
+    assert set(msg) == {
+        "op",
+        "status",
+        "result",
+        "nbytes",
+        "type",
+        "start",
+        "stop",
+        "thread",
+        "cpu",
+    }
+    assert msg["op"] == "task-finished"
+    assert msg["thread"] == threading.get_ident()
+    # time_delay shifts start and stop, not the durations
+    assert msg["start"] > time.time() + 900
+    assert 0.04 <= msg["cpu"] <= msg["stop"] - msg["start"] + 0.01
+
+    msg = apply_function_simple(raise_after_emitting, (), {}, 0)
+    assert msg["op"] == "task-erred"
+    assert isinstance(msg["actual-exception"], ValueError)
+    assert {"exception", "traceback", "start", "stop", "thread", "cpu"} <= set(msg)
+    assert 0 <= msg["cpu"] <= msg["stop"] - msg["start"] + 0.01
+
+
+@gen_cluster(client=True, nthreads=[("", 1)])
+async def test_execute_not_metered(c, s, a, monkeypatch):
+    """Worker.execute also works outside of a metered instruction, e.g. when called
+    by a subclass: it then records no phases of its own
+    """
+    monkeypatch.setattr(a, "_instruction_metrics", lambda: None)
+    assert await c.submit(emit_and_sleep, 1, key="f-1") == 2
+    [ev] = events_of(a, ExecuteSuccessEvent, "f-1")
+    # What the task and the ledger post is still there
+    assert [label for label, _, _ in ev.metrics] == [
+        "my-sleep",
+        ("ping", "x"),
+        "my-bytes",
+        "other",
+    ]
+
+
+def big_run_spec_func(x):
+    return x + 1
+
+
+@gen_cluster(client=True, nthreads=[("", 1)])
+async def test_execute_deserialize_offloaded(c, s, a, monkeypatch):
+    """A large run_spec is deserialized in the offload thread; it is still metered
+    as deserialize, once
+    """
+    monkeypatch.setattr("distributed.worker.OFFLOAD_THRESHOLD", 1)
+    t0 = time.perf_counter()
+    assert await c.submit(big_run_spec_func, 1, key="f-1") == 2
+    elapsed = time.perf_counter() - t0
+    [ev] = events_of(a, ExecuteSuccessEvent, "f-1")
+    labels = [label for label, _, _ in ev.metrics]
+    assert labels == ["deserialize", "thread-cpu", "thread-noncpu", "other"]
+    m = {label: value for label, value, _ in ev.metrics}
+    assert 0 <= m["deserialize"] <= elapsed
+    assert sum(m.values()) <= elapsed

@@ -12,7 +12,7 @@ from collections import defaultdict
 import pytest
 
 import distributed.worker_state_machine as wsm
-from distributed.metrics import context_meter
+from distributed.metrics import DelayedMetricsLedger, context_meter
 from distributed.protocol.serialize import Serialize
 from distributed.utils import recursive_to_dict
 from distributed.utils_test import async_poll_for, gen_test
@@ -448,3 +448,124 @@ async def test_base_worker_handling_final_event_is_metered(ws):
     assert w.digested["execute", "x", "send", "count"] == 1
     assert w.digested["execute", "y", "send", "count"] == 1
     assert not w._async_instructions_metrics
+
+
+def _recorder():
+    return wsm.InstructionMetricsRecorder(("execute", "x"), DelayedMetricsLedger())
+
+
+def test_recorder_counts_seconds():
+    r = _recorder()
+    with context_meter.add_callback(r):
+        context_meter.digest_metric("a", 1.5, "seconds")
+        context_meter.digest_metric("n", 7, "count")
+        context_meter.digest_metric("b", 2, "seconds")
+    assert r.seconds == 3.5
+    assert r.ledger is not None
+    assert r.ledger.metrics == [
+        ("a", 1.5, "seconds"),
+        ("n", 7, "count"),
+        ("b", 2, "seconds"),
+    ]
+
+
+@pytest.mark.parametrize("nested,expect", [(0, 5), (2, 3), (5, 0), (6, 0)])
+def test_recorder_add_phase(nested, expect):
+    """The seconds recorded during a phase come out of it; the rest is floored"""
+    r = _recorder()
+    r(("before",), 10, "seconds")
+    mark = r.seconds
+    r("n", 3, "count")  # Not subtracted
+    if nested:
+        r("own", nested, "seconds")
+    r.add_phase("deserialize", 5, mark)
+    assert r.ledger is not None
+    assert r.ledger.metrics[-1] == ("deserialize", expect, "seconds")
+    # The phase counts towards the seconds of any enclosing phase
+    assert r.seconds == 10 + nested + expect
+
+
+@pytest.mark.parametrize(
+    "nested,expect_cpu,expect_noncpu",
+    [
+        (0, 3, 2),
+        # The seconds recorded during the phase come out of the CPU time first...
+        (1, 2, 2),
+        # ...then out of the rest
+        (4, 0, 1),
+        # Both floored at 0
+        (6, 0, 0),
+    ],
+)
+def test_recorder_add_thread_phase(nested, expect_cpu, expect_noncpu):
+    r = _recorder()
+    mark = r.seconds
+    r("n", 7, "count")  # Not subtracted
+    if nested:
+        r("own", nested, "seconds")
+    r.add_thread_phase(5, 3, mark)
+    assert r.ledger is not None
+    assert r.ledger.metrics[-2:] == [
+        ("thread-cpu", expect_cpu, "seconds"),
+        ("thread-noncpu", expect_noncpu, "seconds"),
+    ]
+
+
+def test_recorder_add_thread_phase_cpu_exceeds_wall():
+    """The two clocks may disagree slightly; noncpu is floored, cpu is kept"""
+    r = _recorder()
+    r.add_thread_phase(1.0, 1.5, r.seconds)
+    assert r.ledger is not None
+    assert r.ledger.metrics == [
+        ("thread-cpu", 1.5, "seconds"),
+        ("thread-noncpu", 0.0, "seconds"),
+    ]
+
+
+def test_recorder_detached():
+    """Once detached, the recorder records nothing more"""
+    r = _recorder()
+    r("a", 1, "seconds")
+    ledger = r.detach()
+    r("b", 1, "seconds")
+    r.add_phase("c", 1, 0)
+    r.add_thread_phase(1, 1, 0)
+    assert ledger.metrics == [("a", 1, "seconds")]
+    assert r.ledger is None
+    assert r.seconds == 1
+
+
+class PhaseMockWorker(MetricsMockWorker):
+    """A BaseWorker whose execute() measures its own phases, like Worker does"""
+
+    async def execute(self, key, *, stimulus_id):
+        recorder = self._instruction_metrics()
+        assert recorder is not None
+        assert recorder.prefix == ("execute", key)
+        mark = recorder.seconds
+        context_meter.digest_metric("inner", 0.25, "seconds")
+        recorder.add_phase("outer", 1.0, mark)
+        return self.execute_events[key]
+
+    async def retry_busy_worker_later(self, worker):
+        # Not metered
+        self.retry_recorder = self._instruction_metrics()
+
+
+@gen_test()
+async def test_base_worker_instruction_metrics(ws):
+    """The instruction that runs in the current asyncio task can find its recorder,
+    and record its own phases there
+    """
+    w = PhaseMockWorker(ws)
+    assert w._instruction_metrics() is None
+    w.execute_events["x"] = ev = ExecuteSuccessEvent.dummy("x", 1, stimulus_id="s2")
+    w.handle_stimulus(ComputeTaskEvent.dummy("x", stimulus_id="s1"))
+    await async_poll_for(lambda: not w._async_instructions, timeout=5)
+    assert ev.metrics[:2] == [("inner", 0.25, "seconds"), ("outer", 0.75, "seconds")]
+    assert [m[0] for m in ev.metrics] == ["inner", "outer", "other"]
+
+    w.retry_recorder = "not set"
+    w._start_async_instruction(w.retry_busy_worker_later("w"), "retry", None)
+    await async_poll_for(lambda: not w._async_instructions, timeout=5)
+    assert w.retry_recorder is None
