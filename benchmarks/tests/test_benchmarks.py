@@ -98,6 +98,43 @@ def test_script(name: str) -> None:
         assert isinstance(figures["ledgers_growth"], int)
 
 
+def run_worker_process(*prefix: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(BENCH / "worker_process.py"), "--size", "50", *prefix],
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        timeout=240,
+    )
+
+
+def test_worker_process(tmp_path: Path) -> None:
+    """The worker runs under the prefix, in a process of its own, and exits
+    normally once the tasks are done
+    """
+    log = tmp_path / "argv"
+    prefix = tmp_path / "prefix"
+    prefix.write_text(f'#!/bin/sh\necho "$@" > "{log}"\nexec "$@"\n')
+    prefix.chmod(0o755)
+    proc = run_worker_process("--", str(prefix))
+    assert proc.returncode == 0, proc.stderr
+    figures = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(figures) == {"wall_s", "tasks_per_s", "worker_pid"}
+    assert all(value > 0 for value in figures.values())
+    assert isinstance(figures["worker_pid"], int)
+    assert figures["worker_pid"] != os.getpid()
+    argv = log.read_text().split()
+    assert argv[:3] == [sys.executable, "-m", "distributed.cli.dask_worker"]
+    assert "--no-nanny" in argv
+    assert "End worker" in proc.stderr
+
+
+def test_worker_process_worker_fails() -> None:
+    proc = run_worker_process("--", "false")
+    assert proc.returncode != 0
+    assert "The worker exited with 1" in proc.stderr
+
+
 @pytest.fixture
 def python(tmp_path: Path) -> str:
     """This interpreter, behind a wrapper that sets its own PYTHONPATH, since the

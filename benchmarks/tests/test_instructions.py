@@ -44,6 +44,24 @@ def test_parse_total(instructions):
     assert instructions.parse_total(STDERR) == 2_982_664_681
 
 
+def test_parse_total_by_pid(instructions):
+    """The driver and the worker both report; pick the worker's"""
+    stderr = STDERR + STDERR.replace("25052", "25060").replace("2,982", "1,234")
+    assert instructions.parse_total(stderr, 25060) == 1_234_664_681
+    assert instructions.parse_total(stderr, 25052) == 2_982_664_681
+    with pytest.raises(RuntimeError, match="No instruction count"):
+        instructions.parse_total(stderr, 1)
+
+
+def test_count(instructions):
+    stderr = STDERR + STDERR.replace("25052", "25060").replace("2,982", "1,234")
+    stdout = (
+        'INFO: something\n{"wall_s": 1.0, "tasks_per_s": 2.0, "worker_pid": 25060}\n'
+    )
+    assert instructions.count("worker", stdout, stderr) == 1_234_664_681
+    assert instructions.count("trivial", "", STDERR) == 2_982_664_681
+
+
 @pytest.mark.parametrize(
     "stderr",
     [
@@ -62,6 +80,38 @@ def test_per_task(instructions):
     assert instructions.per_task(1000 + 7 * 200, 1000 + 7 * 1700, (200, 1700)) == 7
 
 
+def test_command(instructions):
+    """worker runs the driver and the worker process each under valgrind; trivial
+    runs the whole in-process cluster under it
+    """
+    valgrind = ["/usr/bin/valgrind", *instructions.VALGRIND_ARGS]
+    worker = instructions.command("worker", "/usr/bin/valgrind", "py", 200)
+    assert worker == [
+        *valgrind,
+        "py",
+        str(BENCH / "worker_process.py"),
+        "--size",
+        "200",
+        "--",
+        *valgrind,
+    ]
+
+    trivial = instructions.command("trivial", "/usr/bin/valgrind", "py", 200)
+    assert trivial == [
+        "/usr/bin/valgrind",
+        *instructions.VALGRIND_ARGS,
+        "py",
+        str(BENCH / "bench_trivial.py"),
+        "--size",
+        "200",
+    ]
+
+
+def test_default_workload(instructions):
+    args = instructions.parse_args(["--fork", "a", "--pristine", "b"])
+    assert args.workload == "trivial"
+
+
 def test_pair_cpus(instructions):
     a, b = instructions.pair_cpus(0), instructions.pair_cpus(1)
     assert a == b[::-1]
@@ -74,6 +124,7 @@ def test_pair_cpus(instructions):
         (["--sizes", "1700", "200"], "--sizes must be two increasing"),
         (["--sizes", "0", "10"], "--sizes must be two increasing"),
         (["--pairs", "0"], "--pairs must be positive"),
+        (["--workload", "cluster"], "invalid choice"),
     ],
 )
 def test_bad_arguments(instructions, capsys, argv, message):
@@ -90,7 +141,8 @@ def test_no_valgrind(instructions, monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("valgrind") is None, reason="needs valgrind")
-def test_end_to_end(tmp_path):
+@pytest.mark.parametrize("workload", ["worker", "trivial"])
+def test_end_to_end(tmp_path, workload):
     """The interpreter running the tests on both sides: an A/A pair. One side is
     given by a path relative to the caller's directory, as make does.
     """
@@ -109,6 +161,8 @@ def test_end_to_end(tmp_path):
             "120",
             "--pairs",
             "1",
+            "--workload",
+            workload,
         ],
         capture_output=True,
         text=True,
@@ -116,7 +170,8 @@ def test_end_to_end(tmp_path):
         cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr
-    *_, row, summary = proc.stdout.strip().splitlines()
+    *_, header, _, row, summary = proc.stdout.strip().splitlines()
+    assert header == f"Workload: {workload}"
     pair, fork, pristine, ratio = row.split()
     assert pair == "1"
     assert int(fork.replace(",", "")) > 0
@@ -130,7 +185,7 @@ def test_run_pair_failure_stops_the_other_side(instructions, monkeypatch):
     """When one side fails, the pair raises and the other side does not run on"""
     started = []
 
-    def fake_start(valgrind, python, size, cpu):
+    def fake_start(workload, valgrind, python, size, cpu):
         code = (
             "import sys; sys.exit(3)"
             if python == "bad"
@@ -145,7 +200,11 @@ def test_run_pair_failure_stops_the_other_side(instructions, monkeypatch):
     monkeypatch.setattr(instructions, "start", fake_start)
     with pytest.raises(RuntimeError, match="fork exited with 3"):
         instructions.run_pair(
-            "valgrind", {"fork": "bad", "pristine": "good"}, (1, 2), [None, None]
+            "trivial",
+            "valgrind",
+            {"fork": "bad", "pristine": "good"},
+            (1, 2),
+            [None, None],
         )
     assert len(started) == 2
     assert all(proc.poll() is not None for proc in started)
