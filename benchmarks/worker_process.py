@@ -26,11 +26,11 @@ import time
 from collections.abc import Sequence
 
 from _common import emit, noop
+from run import HERE
 
 import dask
 from distributed import Client, LocalCluster, wait
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 #: Seconds to wait for the worker to start, and then to exit. Under valgrind,
 #: importing distributed alone takes about a minute.
 TIMEOUT = 600
@@ -70,7 +70,9 @@ def worker_command(prefix: Sequence[str], scheduler_address: str) -> list[str]:
 def worker_env() -> dict[str, str]:
     """The environment of the worker: it must import the task from ``_common``"""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [HERE, env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(HERE), env.get("PYTHONPATH")])
+    )
     return env
 
 
