@@ -21,8 +21,9 @@ import dask
 from distributed import Client, Event, Reschedule, get_client, get_worker, secede
 from distributed.compatibility import PeriodicCallback
 from distributed.core import Status
-from distributed.metrics import DelayedMetricsLedger, _callbacks_var, context_meter
+from distributed.metrics import _callbacks_var, context_meter
 from distributed.spill import SpillBuffer
+from distributed.tests.test_worker_state_machine_metrics import recording
 from distributed.utils_test import (
     BlockedGatherDep,
     BlockedGetData,
@@ -40,6 +41,7 @@ from distributed.worker_state_machine import (
     GatherDepDoneEvent,
     GatherDepNetworkFailureEvent,
     GatherDepSuccessEvent,
+    InstructionMetricsRecorder,
     RescheduleEvent,
 )
 
@@ -385,7 +387,7 @@ async def test_worker_close_with_execute_in_flight(c, s, a):
     m = execute_digests(a, "f")
     assert set(m) == {("n", "count"), ("cancelled", "seconds")}
     assert m["n", "count"] == 1
-    assert not a._async_instructions_metrics
+    assert not recording()
 
 
 @gen_cluster(client=True)
@@ -506,7 +508,7 @@ async def test_worker_close_with_gather_dep_in_flight(c, s, a):
         c.submit(inc, x, key="y", workers=[w.address])
         await w.in_gather_dep.wait()
     assert set(activity_digests(w, "gather-dep")) == {("cancelled", "seconds")}
-    assert not w._async_instructions_metrics
+    assert not recording()
 
 
 def n_callbacks(*args):
@@ -530,10 +532,12 @@ async def test_no_leaks(c, s, a):
     assert set(await c.gather(futs)) == {1}
     assert len(_callbacks_var.get()) == n_before
     assert not a._async_instructions
-    assert not a._async_instructions_metrics
+    assert not recording()
     del futs
     gc.collect()
-    assert not [o for o in gc.get_objects() if isinstance(o, DelayedMetricsLedger)]
+    assert not [
+        o for o in gc.get_objects() if isinstance(o, InstructionMetricsRecorder)
+    ]
     # 205 tasks, each counted once
     evs = events_of(a, ExecuteSuccessEvent)
     assert len(evs) == min(205, a.state.stimulus_log.maxlen or 205)
@@ -794,9 +798,11 @@ async def test_no_leaks_many_tasks(c, s, a):
     futs = c.map(n_callbacks, range(n), key=[f"n-{i}" for i in range(n)])
     assert set(await c.gather(futs)) == {1}
     del futs
-    assert not a._async_instructions_metrics
+    assert not recording()
     gc.collect()
-    assert not [o for o in gc.get_objects() if isinstance(o, DelayedMetricsLedger)]
+    assert not [
+        o for o in gc.get_objects() if isinstance(o, InstructionMetricsRecorder)
+    ]
     assert a.digests_total["execute", "n", "thread-cpu", "seconds"] > 0
 
 
@@ -847,7 +853,7 @@ def start_periodic_callback():
 @gen_cluster(client=True, nthreads=[("", 1)])
 async def test_ledger_does_not_outlive_instruction(c, s, a):
     """Whatever a task starts that outlives it inherits its context, but must
-    neither feed nor keep alive the ledger of its Execute instruction
+    neither feed nor keep alive the metrics of its Execute instruction
     """
     started_by_tasks.clear()
     try:
@@ -863,8 +869,15 @@ async def test_ledger_does_not_outlive_instruction(c, s, a):
         assert len(ev.metrics) == n_metrics
         assert execute_digests(a, "f") == digests
         assert not any(label == "periodic" for label, _ in digests)
+        # The recorder lives on in the context of the periodic callback, but has
+        # let go of the metrics of the instruction
         gc.collect()
-        assert not [o for o in gc.get_objects() if isinstance(o, DelayedMetricsLedger)]
+        recorders = [
+            o for o in gc.get_objects() if isinstance(o, InstructionMetricsRecorder)
+        ]
+        assert len(recorders) == 1
+        assert recorders[0].prefix == ("execute", "f")
+        assert recorders[0].metrics is None
     finally:
         for pc in started_by_tasks:
             pc.stop()

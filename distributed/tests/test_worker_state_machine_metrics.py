@@ -7,12 +7,13 @@ behaviour of the events they touch is unchanged.
 from __future__ import annotations
 
 import asyncio
+import gc
 from collections import defaultdict
 
 import pytest
 
 import distributed.worker_state_machine as wsm
-from distributed.metrics import DelayedMetricsLedger, context_meter
+from distributed.metrics import context_meter
 from distributed.protocol.serialize import Serialize
 from distributed.utils import recursive_to_dict
 from distributed.utils_test import async_poll_for, gen_test
@@ -38,6 +39,16 @@ from distributed.worker_state_machine import (
 )
 
 METRICS = [("deserialize", 0.5, "seconds"), (("ping", "x"), 1, "count")]
+
+
+def recording() -> list[wsm.InstructionMetricsRecorder]:
+    """The recorders of the instructions still in flight (not finalized yet)"""
+    gc.collect()
+    return [
+        o
+        for o in gc.get_objects()
+        if isinstance(o, wsm.InstructionMetricsRecorder) and o.metrics is not None
+    ]
 
 
 def _gather_dep_events(**kwargs):
@@ -293,10 +304,10 @@ async def test_base_worker_execute_success(ws):
     w = MetricsMockWorker(ws)
     w.execute_events["x"] = ev = ExecuteSuccessEvent.dummy("x", 1, stimulus_id="s2")
     w.handle_stimulus(ComputeTaskEvent.dummy("x", stimulus_id="s1"))
-    assert len(w._async_instructions_metrics) == 1
+    assert len(recording()) == 1
     w.block.set()
     await async_poll_for(lambda: not w._async_instructions, timeout=5)
-    assert not w._async_instructions_metrics
+    assert not recording()
     assert ws.tasks["x"].state == "memory"
     assert [m[0] for m in ev.metrics] == ["n", "thread-noncpu", "other"]
     assert ev.metrics[0] == ("n", 1, "count")
@@ -389,7 +400,7 @@ async def test_base_worker_close_with_instructions_in_flight(ws):
     w.handle_stimulus(ComputeTaskEvent.dummy("x", stimulus_id="s1"))
     await asyncio.sleep(0)  # Let execute() start
     await w.close(timeout=5)
-    assert not w._async_instructions_metrics
+    assert not recording()
     assert set(w.digested) == {
         ("execute", "x", "n", "count"),
         ("execute", "x", "cancelled", "seconds"),
@@ -447,11 +458,11 @@ async def test_base_worker_handling_final_event_is_metered(ws):
     assert [m[0] for m in evy.metrics] == ["n", "thread-noncpu", "send", "other"]
     assert w.digested["execute", "x", "send", "count"] == 1
     assert w.digested["execute", "y", "send", "count"] == 1
-    assert not w._async_instructions_metrics
+    assert not recording()
 
 
 def _recorder():
-    return wsm.InstructionMetricsRecorder(("execute", "x"), DelayedMetricsLedger())
+    return wsm.InstructionMetricsRecorder(("execute", "x"))
 
 
 def test_recorder_counts_seconds():
@@ -461,8 +472,7 @@ def test_recorder_counts_seconds():
         context_meter.digest_metric("n", 7, "count")
         context_meter.digest_metric("b", 2, "seconds")
     assert r.seconds == 3.5
-    assert r.ledger is not None
-    assert r.ledger.metrics == [
+    assert r.metrics == [
         ("a", 1.5, "seconds"),
         ("n", 7, "count"),
         ("b", 2, "seconds"),
@@ -479,8 +489,7 @@ def test_recorder_add_phase(nested, expect):
     if nested:
         r("own", nested, "seconds")
     r.add_phase("deserialize", 5, mark)
-    assert r.ledger is not None
-    assert r.ledger.metrics[-1] == ("deserialize", expect, "seconds")
+    assert r.metrics[-1] == ("deserialize", expect, "seconds")
     # The phase counts towards the seconds of any enclosing phase
     assert r.seconds == 10 + nested + expect
 
@@ -504,8 +513,7 @@ def test_recorder_add_thread_phase(nested, expect_cpu, expect_noncpu):
     if nested:
         r("own", nested, "seconds")
     r.add_thread_phase(5, 3, mark)
-    assert r.ledger is not None
-    assert r.ledger.metrics[-2:] == [
+    assert r.metrics[-2:] == [
         ("thread-cpu", expect_cpu, "seconds"),
         ("thread-noncpu", expect_noncpu, "seconds"),
     ]
@@ -515,24 +523,71 @@ def test_recorder_add_thread_phase_cpu_exceeds_wall():
     """The two clocks may disagree slightly; noncpu is floored, cpu is kept"""
     r = _recorder()
     r.add_thread_phase(1.0, 1.5, r.seconds)
-    assert r.ledger is not None
-    assert r.ledger.metrics == [
+    assert r.metrics == [
         ("thread-cpu", 1.5, "seconds"),
         ("thread-noncpu", 0.0, "seconds"),
     ]
 
 
-def test_recorder_detached():
-    """Once detached, the recorder records nothing more"""
+def test_recorder_finalize(monkeypatch):
+    """other is the time since the start that no seconds metric accounts for"""
+    clock = iter([100.0, 110.0])
+    monkeypatch.setattr(wsm, "perf_counter", lambda: next(clock))
+    r = _recorder()
+    r("a", 1.5, "seconds")
+    r("n", 3, "count")
+    r.add_phase("deserialize", 2, r.seconds)
+    r.add_thread_phase(5, 4, r.seconds)
+    assert r.finalize() == [
+        ("a", 1.5, "seconds"),
+        ("n", 3, "count"),
+        ("deserialize", 2, "seconds"),
+        ("thread-cpu", 4, "seconds"),
+        ("thread-noncpu", 1, "seconds"),
+        ("other", 1.5, "seconds"),
+    ]
+
+
+def test_recorder_finalize_floor(monkeypatch):
+    """other is floored at 0, e.g. when a metric measured with another clock
+    exceeds the elapsed time
+    """
+    clock = iter([100.0, 101.0])
+    monkeypatch.setattr(wsm, "perf_counter", lambda: next(clock))
+    r = _recorder()
+    r("a", 3, "seconds")
+    assert r.finalize()[-1] == ("other", 0.0, "seconds")
+
+
+def test_recorder_finalize_coarse_time(monkeypatch):
+    """A lump of all the elapsed time replaces the seconds; the rest is kept"""
+    clock = iter([100.0, 110.0])
+    monkeypatch.setattr(wsm, "perf_counter", lambda: next(clock))
+    r = _recorder()
+    r("a", 1.5, "seconds")
+    r("n", 3, "count")
+    r.add_thread_phase(5, 4, r.seconds)
+    assert r.finalize(coarse_time="failed") == [
+        ("n", 3, "count"),
+        ("failed", 10.0, "seconds"),
+    ]
+
+
+def test_recorder_finalized():
+    """Once finalized, the recorder records nothing more and can't be finalized
+    again
+    """
     r = _recorder()
     r("a", 1, "seconds")
-    ledger = r.detach()
+    metrics = r.finalize()
     r("b", 1, "seconds")
     r.add_phase("c", 1, 0)
     r.add_thread_phase(1, 1, 0)
-    assert ledger.metrics == [("a", 1, "seconds")]
-    assert r.ledger is None
+    assert [m[0] for m in metrics] == ["a", "other"]
+    assert r.metrics is None
     assert r.seconds == 1
+    with pytest.raises(AssertionError, match="finalized twice"):
+        r.finalize()
 
 
 class PhaseMockWorker(MetricsMockWorker):
