@@ -21,14 +21,39 @@ from typing import Any, Union
 import psutil
 
 import dask
-from distributed import Client, LocalCluster
+from distributed import Client, LocalCluster, worker_state_machine
 
 #: What a figure may be: a number, or None where it does not apply (pristine)
 FigureValue = Union[int, float, None]
 
 
-def parse_size(description: str, default: int, argv: Sequence[str] | None) -> int:
-    """Parse the command line shared by all scripts and return ``--size``"""
+#: Configuration under which a cluster does no work per unit of time, rather than
+#: per task, once :func:`stop_periodic_callbacks` has run on its servers: no
+#: statistical profiler (a thread that samples every 10 ms), and the scheduler does
+#: not drop workers for missing heartbeats. Counting instructions runs everything
+#: some 30 times slower, so that this work would weigh 30 times more than usual,
+#: and vary with how fast the machine happens to be.
+QUIET_CONFIG: dict[str, Any] = {
+    "distributed.worker.profile.enabled": False,
+    "distributed.scheduler.worker-ttl": None,
+}
+
+
+def stop_periodic_callbacks(
+    dask_worker: Any = None, dask_scheduler: Any = None
+) -> None:
+    """Stop the periodic callbacks of a worker or of the scheduler (heartbeats,
+    health checks, monitors: nothing that running tasks needs); meant for
+    ``client.run`` and ``client.run_on_scheduler`` on a cluster under
+    :data:`QUIET_CONFIG`
+    """
+    server = dask_worker if dask_worker is not None else dask_scheduler
+    for pc in server.periodic_callbacks.values():
+        pc.stop()
+
+
+def size_parser(description: str, default: int) -> argparse.ArgumentParser:
+    """The command line shared by all scripts: ``--size``"""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument(
         "--size",
@@ -36,9 +61,21 @@ def parse_size(description: str, default: int, argv: Sequence[str] | None) -> in
         default=default,
         help=f"how much work to do; see the script's docstring (default {default})",
     )
-    size: int = parser.parse_args(argv).size
-    if size < 1:
+    return parser
+
+
+def check_size(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Exit with a usage error unless ``args.size`` is positive"""
+    if args.size < 1:
         parser.error("--size must be positive")
+
+
+def parse_size(description: str, default: int, argv: Sequence[str] | None) -> int:
+    """Parse the command line shared by all scripts and return ``--size``"""
+    parser = size_parser(description, default)
+    args = parser.parse_args(argv)
+    check_size(parser, args)
+    size: int = args.size
     return size
 
 
@@ -129,9 +166,10 @@ def worker_state() -> dict[str, FigureValue]:
 
     Meant for ``client.run``. ``callbacks`` counts the callbacks installed on
     ``context_meter`` as the calling context sees them and ``ledgers`` the
-    ``DelayedMetricsLedger`` objects still alive after a full collection. Both
-    are None in pristine; ``callbacks`` is also None if the fork does not keep
-    its callbacks as :func:`installed_callbacks` expects.
+    ``DelayedMetricsLedger`` objects, and the worker's own ledgers of its
+    instructions (``InstructionMetricsRecorder``), still alive after a full
+    collection. Both are None in pristine; ``callbacks`` is also None if the fork
+    does not keep its callbacks as :func:`installed_callbacks` expects.
     """
     gc.collect()
     state: dict[str, FigureValue] = {
@@ -142,9 +180,8 @@ def worker_state() -> dict[str, FigureValue]:
     api = fine_metrics_api()
     if api is None:
         return state
-    state["ledgers"] = sum(
-        isinstance(obj, api.DelayedMetricsLedger) for obj in gc.get_objects()
-    )
+    kinds = (api.DelayedMetricsLedger, worker_state_machine.InstructionMetricsRecorder)
+    state["ledgers"] = sum(isinstance(obj, kinds) for obj in gc.get_objects())
     state["callbacks"] = installed_callbacks(api)
     return state
 

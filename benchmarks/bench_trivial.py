@@ -5,20 +5,34 @@ all in this process. Figures:
 
 - ``tasks_per_s``: throughput from submission until every task is done;
 - ``cpu_us_per_task``: CPU of the whole process (all its threads) per task.
+
+With ``--quiet``, the worker and the scheduler do no per-second work (see
+``_common.QUIET_CONFIG``), for counting what they do per task.
 """
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
 
-from _common import cluster, emit, noop, parse_size
+from _common import (
+    QUIET_CONFIG,
+    check_size,
+    cluster,
+    emit,
+    noop,
+    size_parser,
+    stop_periodic_callbacks,
+)
 
 from distributed import wait
 
 
-def run(size: int) -> dict[str, float]:
+def run(size: int, quiet: bool = False) -> dict[str, float]:
     """Time ``size`` no-op tasks, after a small unmeasured warm-up batch"""
-    with cluster(1, processes=False) as client:
+    with cluster(1, processes=False, config=QUIET_CONFIG if quiet else None) as client:
+        if quiet:
+            client.run(stop_periodic_callbacks)
+            client.run_on_scheduler(stop_periodic_callbacks)
         # Warm up: deserialize the function, fill caches, start the thread pool
         wait(client.map(noop, range(min(size, 100)), key="warmup"))
 
@@ -34,7 +48,13 @@ def run(size: int) -> dict[str, float]:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Command line entry point"""
-    emit(run(parse_size(__doc__ or "", 5000, argv)))
+    parser = size_parser(__doc__ or "", 5000)
+    parser.add_argument(
+        "--quiet", action="store_true", help="no per-second work in the cluster"
+    )
+    args = parser.parse_args(argv)
+    check_size(parser, args)
+    emit(run(args.size, args.quiet))
 
 
 if __name__ == "__main__":

@@ -8,26 +8,25 @@ within 0.5%. This runs a workload at two sizes under ``valgrind --tool=cachegrin
 difference of the sizes, so that start-up and shutdown cancel out. Workloads:
 
 ``trivial`` (default)
-    ``bench_trivial.py``: scheduler, worker and client in one process, all
-    counted. Pristine against itself comes out within 0.5%. The fork's extra
-    work is all in the worker, but here it is diluted by the scheduler's and the
-    client's.
+    ``bench_trivial.py --quiet``: scheduler, worker and client in one process,
+    all counted. The fork's extra work is all in the worker, but here it is
+    diluted by the scheduler's and the client's.
 ``worker``
     Only the worker is counted, which is what the fork's target is about:
     ``worker_process.py`` runs the scheduler and the client, and the worker in a
     process of its own, both under valgrind so that they slow down alike (the
-    worker's report is found by its process id). How much a worker does per task
-    depends on how the messages between the two processes are batched, which
-    depends on timing: pristine against itself moves by about 4%, so this needs
-    many pairs. A pair takes about 3.5 minutes.
+    worker's report is found by its process id). A pair takes about 3.5 minutes.
 
 Each pair runs the fork and pristine at the same time, one on each of the first
 two CPUs (swapped from one pair to the next), small size first. A run takes
-about a minute per thousand tasks. The kernel's work (system calls, thread
-switches) is not counted, and everything runs some 30 times slower than usual,
-so that whatever the event loop does per unit of time (batched sends, periodic
-callbacks) weighs more than in a real worker: treat the ratio as an upper bound
-of the fork's extra CPU.
+about a minute per thousand tasks. Under valgrind everything runs some 30 times
+slower than usual, so that whatever a cluster does per unit of time rather than
+per task (the profiler, heartbeats, monitors) would weigh 30 times more than in
+a real one, and vary with the speed of the machine: both workloads turn it off
+(see ``_common.QUIET_CONFIG``). Pristine against itself then comes out within
+0.3%. The kernel's work (system calls, thread switches) is not counted; as it
+is nearly the same on both sides (the fork reads the CPU clock of the task's
+thread twice more per task), the ratio of CPU time is closer to 1 than this.
 
 Usage::
 
@@ -106,7 +105,15 @@ def command(workload: str, valgrind: str, python: str, size: int) -> list[str]:
         ]
     assert workload == "trivial", workload
     script = HERE / "bench_trivial.py"
-    return [valgrind, *VALGRIND_ARGS, python, str(script), "--size", str(size)]
+    return [
+        valgrind,
+        *VALGRIND_ARGS,
+        python,
+        str(script),
+        "--size",
+        str(size),
+        "--quiet",
+    ]
 
 
 def start(

@@ -6,7 +6,8 @@ The scheduler and the client run in this process; the worker is
 would kill a worker that is slow to shut down, before a tool like valgrind writes
 its report), run as ``PREFIX python ...`` with its stderr passed through.
 ``client.map`` of a no-op over ``--size`` keys, after a warm-up batch; then the
-worker is retired, and exits normally. Figures:
+worker is retired, and exits normally. The worker does no per-second work (see
+``_common.QUIET_CONFIG``), so that what it does is all per task. Figures:
 
 - ``wall_s``: wall time from submission until every task is done;
 - ``tasks_per_s``: the same, as throughput;
@@ -25,7 +26,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from _common import emit, noop
+from _common import QUIET_CONFIG, emit, noop, stop_periodic_callbacks
 from run import HERE
 
 import dask
@@ -68,10 +69,15 @@ def worker_command(prefix: Sequence[str], scheduler_address: str) -> list[str]:
 
 
 def worker_env() -> dict[str, str]:
-    """The environment of the worker: it must import the task from ``_common``"""
+    """The environment of the worker: it must import the task from ``_common``, and
+    inherit this process' dask config
+    """
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
         filter(None, [str(HERE), env.get("PYTHONPATH")])
+    )
+    env["DASK_INTERNAL_INHERIT_CONFIG"] = dask.config.serialize(
+        dask.config.global_config
     )
     return env
 
@@ -108,7 +114,7 @@ def close_worker(client: Client, lc: LocalCluster, proc: subprocess.Popen) -> No
 def run(size: int, prefix: Sequence[str]) -> dict[str, float | int]:
     """Time ``size`` no-op tasks on a worker process started under ``prefix``"""
     # See _common.cluster on queuing
-    config = {"distributed.scheduler.worker-saturation": float("inf")}
+    config = {"distributed.scheduler.worker-saturation": float("inf"), **QUIET_CONFIG}
     with dask.config.set(config), LocalCluster(
         n_workers=0, processes=False, protocol="tcp://", dashboard_address=None
     ) as lc, Client(lc) as client:
@@ -117,6 +123,7 @@ def run(size: int, prefix: Sequence[str]) -> dict[str, float | int]:
         )
         try:
             wait_for_worker(client, proc)
+            client.run(stop_periodic_callbacks)
             wait(client.map(noop, range(min(size, 100)), key="warmup"))
 
             wall0 = time.perf_counter()

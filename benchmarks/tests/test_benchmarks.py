@@ -12,13 +12,16 @@ import math
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
 
+import dask
 import distributed.metrics
+from distributed import Client, LocalCluster
 
 BENCH = Path(__file__).resolve().parent.parent
 #: Figures of each script, and the tiny size to run it with
@@ -127,6 +130,59 @@ def test_worker_process(tmp_path: Path) -> None:
     assert argv[:3] == [sys.executable, "-m", "distributed.cli.dask_worker"]
     assert "--no-nanny" in argv
     assert "End worker" in proc.stderr
+
+
+def test_script_trivial_quiet() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "bench_trivial.py"), "--size", "50", "--quiet"],
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr
+    figures = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(figures) == FIGURES["trivial"][0]
+
+
+@pytest.fixture
+def common() -> Iterator[ModuleType]:
+    """_common.py and worker_process.py, imported as the scripts import them"""
+    sys.path.insert(0, str(BENCH))
+    try:
+        yield importlib.import_module("_common")
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def test_quiet_cluster(common: ModuleType) -> None:
+    """Under QUIET_CONFIG, and once stop_periodic_callbacks has run, a cluster has
+    no profiler and no periodic callback running, and still runs tasks
+    """
+    with dask.config.set(common.QUIET_CONFIG), LocalCluster(
+        n_workers=1, processes=False, dashboard_address=None
+    ) as lc, Client(lc) as client:
+        (w,) = lc.workers.values()
+        assert w.periodic_callbacks["heartbeat"].is_running()
+        assert "profile" not in w.periodic_callbacks
+        assert lc.scheduler.worker_ttl is None
+
+        client.run(common.stop_periodic_callbacks)
+        client.run_on_scheduler(common.stop_periodic_callbacks)
+        for server in (w, lc.scheduler):
+            assert server.periodic_callbacks
+            assert not any(pc.is_running() for pc in server.periodic_callbacks.values())
+        assert client.submit(common.noop, 1).result() == 1
+
+
+def test_worker_process_passes_config_on(common: ModuleType) -> None:
+    """The worker of worker_process.py inherits the config of the script"""
+    worker_process = importlib.import_module("worker_process")
+    with dask.config.set(common.QUIET_CONFIG):
+        env = worker_process.worker_env()
+    config = dask.config.deserialize(env["DASK_INTERNAL_INHERIT_CONFIG"])
+    assert config["distributed"]["worker"]["profile"]["enabled"] is False
+    assert str(BENCH) in env["PYTHONPATH"].split(os.pathsep)
 
 
 def test_worker_process_worker_fails() -> None:

@@ -104,6 +104,7 @@ def test_command(instructions):
         str(BENCH / "bench_trivial.py"),
         "--size",
         "200",
+        "--quiet",
     ]
 
 
