@@ -155,6 +155,8 @@ def common() -> Iterator[ModuleType]:
         sys.path.remove(str(BENCH))
 
 
+# Upstream's synchronous LocalCluster, under tornado 6.2
+@pytest.mark.filterwarnings("ignore:make_current is deprecated:DeprecationWarning")
 def test_quiet_cluster(common: ModuleType) -> None:
     """Under QUIET_CONFIG, and once stop_periodic_callbacks has run, a cluster has
     no profiler and no periodic callback running, and still runs tasks
