@@ -17,7 +17,7 @@ from typing import Any
 
 from dask.utils import format_bytes
 
-from distributed.client import Client
+from distributed.client import Client, wait
 
 #: The activities that post fine performance metrics, in the order of the report.
 ACTIVITIES = ("execute", "gather-dep", "get-data", "memory-monitor")
@@ -164,6 +164,10 @@ def demo_workload(client: Client) -> None:
         client.submit(make_chunk, i, workers=[workers[i % 2]], key=f"make-chunk-{i}")
         for i in range(24)
     ]
+    # Each worker makes more chunks than it keeps in memory: wait for all of them,
+    # so that the oldest are spilled before anything reads them (otherwise whether
+    # a task unspills its inputs depends on timing)
+    wait(chunks)
     # Pairs from different workers: one input of each is gathered from the peer
     sums = [
         client.submit(crunch, chunks[i], chunks[i + 1], key=f"crunch-{i}")
