@@ -91,28 +91,19 @@ def per_task(small: int, large: int, sizes: tuple[int, int]) -> float:
 def command(workload: str, valgrind: str, python: str, size: int) -> list[str]:
     """The command line of one run; cachegrind reports on its stderr"""
     if workload == "worker":
-        script = HERE / "worker_process.py"
-        return [
-            valgrind,
-            *VALGRIND_ARGS,
-            python,
-            str(script),
-            "--size",
-            str(size),
-            "--",
-            valgrind,
-            *VALGRIND_ARGS,
-        ]
-    assert workload == "trivial", workload
-    script = HERE / "bench_trivial.py"
+        # The script runs the worker under the prefix given after --
+        script, extra = "worker_process.py", ["--", valgrind, *VALGRIND_ARGS]
+    else:
+        assert workload == "trivial", workload
+        script, extra = "bench_trivial.py", ["--quiet"]
     return [
         valgrind,
         *VALGRIND_ARGS,
         python,
-        str(script),
+        str(HERE / script),
         "--size",
         str(size),
-        "--quiet",
+        *extra,
     ]
 
 

@@ -529,11 +529,18 @@ def test_recorder_add_thread_phase_cpu_exceeds_wall():
     ]
 
 
+def _recorder_started_at(start, monkeypatch, finished_at):
+    """A recorder whose clock reads ``start`` when it is created and
+    ``finished_at`` when it is finalized
+    """
+    clock = iter([start, finished_at])
+    monkeypatch.setattr(wsm, "perf_counter", lambda: next(clock))
+    return _recorder()
+
+
 def test_recorder_finalize(monkeypatch):
     """other is the time since the start that no seconds metric accounts for"""
-    clock = iter([100.0, 110.0])
-    monkeypatch.setattr(wsm, "perf_counter", lambda: next(clock))
-    r = _recorder()
+    r = _recorder_started_at(100.0, monkeypatch, finished_at=110.0)
     r("a", 1.5, "seconds")
     r("n", 3, "count")
     r.add_phase("deserialize", 2, r.seconds)
@@ -552,18 +559,14 @@ def test_recorder_finalize_floor(monkeypatch):
     """other is floored at 0, e.g. when a metric measured with another clock
     exceeds the elapsed time
     """
-    clock = iter([100.0, 101.0])
-    monkeypatch.setattr(wsm, "perf_counter", lambda: next(clock))
-    r = _recorder()
+    r = _recorder_started_at(100.0, monkeypatch, finished_at=101.0)
     r("a", 3, "seconds")
     assert r.finalize()[-1] == ("other", 0.0, "seconds")
 
 
 def test_recorder_finalize_coarse_time(monkeypatch):
     """A lump of all the elapsed time replaces the seconds; the rest is kept"""
-    clock = iter([100.0, 110.0])
-    monkeypatch.setattr(wsm, "perf_counter", lambda: next(clock))
-    r = _recorder()
+    r = _recorder_started_at(100.0, monkeypatch, finished_at=110.0)
     r("a", 1.5, "seconds")
     r("n", 3, "count")
     r.add_thread_phase(5, 4, r.seconds)
