@@ -602,6 +602,30 @@ async def test_digest_metrics(c, s, a):
         assert server.digests_max["qux", "x", "count"] == 2
 
 
+@gen_cluster(client=True, nthreads=[("", 1)])
+async def test_digest_metrics_names(c, s, a):
+    """digest_metrics builds the name of each digest once and reuses it. The same
+    label under other units or prefixes stays apart, an equal prefix that is another
+    object finds the same names, and so does a reset of the maximums (Prometheus
+    clears them at every poll).
+    """
+    for _ in range(2):
+        a.digest_metrics(("p",), [("x", 1, "count"), ("x", 0.5, "seconds")])
+        a.digest_metrics(("q", "r"), [("x", 2, "count")])
+    a.digest_metrics(tuple(["p"]), [("x", 1, "count")])
+    assert a.digests_total["p", "x", "count"] == 3
+    assert a.digests_total["p", "x", "seconds"] == 1.0
+    assert a.digests_total["q", "r", "x", "count"] == 4
+
+    a.digests_max.clear()
+    a.digest_metrics(("p",), [("x", 0.25, "seconds")])
+    assert a.digests_max == {("p", "x", "seconds"): 0.25}
+    assert a.digests_total["p", "x", "seconds"] == 1.25
+    (total_key,) = [k for k in a.digests_total if k == ("p", "x", "seconds")]
+    (max_key,) = a.digests_max
+    assert max_key is total_key
+
+
 SPILL_LABELS = [
     (label, unit)
     for label in ("disk-write", "disk-read")
