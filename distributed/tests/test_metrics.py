@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import logging
 import math
@@ -109,7 +110,9 @@ def test_context_meter():
 
 
 def test_context_meter_no_callbacks():
-    """Without callbacks, meter() doesn't even read the clock"""
+    """Without callbacks, the decorator doesn't even read the clock, and the block
+    reads it only for its own measurement
+    """
     calls = []
 
     def clock():
@@ -120,11 +123,115 @@ def test_context_meter_no_callbacks():
     def f():
         return 1
 
-    with context_meter.meter("x", func=clock):
-        pass
     context_meter.digest_metric("y", 1, "seconds")
     assert f() == 1
     assert calls == []
+
+    with context_meter.meter("x", func=clock) as m:
+        pass
+    assert calls == [None, None]
+    assert m.delta == 0
+    assert metrics._current_meter_var.get() is None
+
+
+@pytest.mark.parametrize("listening", [False, True])
+def test_context_meter_measurement(listening):
+    """The block is a measurement, like meter()'s, whether or not anybody listens"""
+    clock = FakeClock(10)
+    out = []
+    with contextlib.ExitStack() as stack:
+        if listening:
+            stack.enter_context(context_meter.add_callback(lambda *a: out.append(a)))
+        with context_meter.meter("x", func=clock) as m:
+            assert m.start == 10
+            assert math.isnan(m.stop)
+            assert math.isnan(m.delta)
+            clock.t = 12
+            context_meter.digest_metric("y", 0.5, "seconds")
+            clock.t = 12.5
+    assert m.start == 10
+    assert m.stop == 12.5
+    # delta is the whole time of the block; the digested value is net of what was
+    # digested inside it
+    assert m.delta == 2.5
+    assert out == ([("y", 0.5, "seconds"), ("x", 2.0, "seconds")] if listening else [])
+
+
+@pytest.mark.parametrize("listening", [False, True])
+def test_context_meter_measurement_raise(listening):
+    clock = FakeClock(1)
+    out = []
+    with contextlib.ExitStack() as stack:
+        if listening:
+            stack.enter_context(context_meter.add_callback(lambda *a: out.append(a)))
+        with pytest.raises(ZeroDivisionError):
+            with context_meter.meter("x", func=clock) as m:
+                clock.t = 3
+                1 / 0
+    assert (m.start, m.stop, m.delta) == (1, 3, 2)
+    assert out == ([("x", 2, "seconds")] if listening else [])
+
+
+def test_context_meter_measurement_floor():
+    clock = FakeClock(5)
+    with context_meter.meter("x", func=clock) as m:
+        clock.t = 4
+    assert m.delta == 0
+    with context_meter.meter("x", func=clock, floor=False) as m:
+        clock.t = 3
+    assert m.delta == -1
+
+
+def test_context_meter_measurement_reused():
+    """A block can be entered again once it has exited; stop and delta are reset"""
+    clock = FakeClock(0)
+    block = context_meter.meter("x", func=clock)
+    with block as m1:
+        clock.t = 1
+    assert m1.delta == 1
+    with block as m2:
+        assert m2 is m1
+        assert math.isnan(m2.stop)
+        clock.t = 4
+    assert m2.delta == 3
+
+
+def test_context_meter_other_units_subtract_nothing():
+    """Only blocks in seconds lose the seconds digested inside them. A block in
+    another unit is transparent: what is nested in it is subtracted from the
+    enclosing block in seconds.
+    """
+    clock = FakeClock(100)
+    out = []
+    with context_meter.add_callback(lambda *a: out.append(a)):
+        with context_meter.meter("outer", func=clock):
+            with context_meter.meter("b", unit="bytes", func=clock) as m:
+                context_meter.digest_metric("s", 30, "seconds")
+                with context_meter.meter("inner", func=clock):
+                    clock.t = 110
+                clock.t = 200
+            clock.t = 250
+    assert out == [
+        ("s", 30, "seconds"),
+        ("inner", 10, "seconds"),
+        # An int clock gives an int value
+        ("b", 100, "bytes"),
+        # 150 - 30 - 10
+        ("outer", 110, "seconds"),
+    ]
+    assert type(out[2][1]) is int
+    assert m.delta == 100
+
+
+def test_context_meter_int_clock_seconds():
+    """An int clock gives an int value in seconds too, when nothing is nested"""
+    clock = FakeClock(100)
+    out = []
+    with context_meter.add_callback(lambda *a: out.append(a)):
+        with context_meter.meter("x", func=clock):
+            clock.t = 200
+    assert out == [("x", 100, "seconds")]
+    assert type(out[0][1]) is int
 
 
 def test_context_meter_callbacks_stack():
@@ -474,11 +581,11 @@ def test_int_stays_int():
             context_meter.digest_metric("s", 2, "seconds")
     assert [(type(v), v) for _, v, _ in out[:3]] == [(int, 1), (int, 123), (int, 2)]
 
-    ledger = DelayedMetricsLedger()
-    with ledger.record():
-        context_meter.digest_metric("n", 1, "count")
-        context_meter.digest_metric("b", 10, "bytes")
     for coarse_time in (False, "failed"):
+        ledger = DelayedMetricsLedger()
+        with ledger.record():
+            context_meter.digest_metric("n", 1, "count")
+            context_meter.digest_metric("b", 10, "bytes")
         out = ledger.finalize(coarse_time=coarse_time)
         assert type(out[0][1]) is int
         assert type(out[1][1]) is int
@@ -563,6 +670,9 @@ def test_context_meter_thread_with_context():
     assert out == [("thread", 1, "seconds"), ("main", 2, "seconds")]
 
 
+other_var: contextvars.ContextVar[str] = contextvars.ContextVar("other_var")
+
+
 def test_new_context():
     out_outer = []
     out_new = []
@@ -583,6 +693,62 @@ def test_new_context():
     assert context_meter.new_context().run(metrics._callbacks_var.get) == ()
     with context_meter.add_callback(lambda *args: None):
         assert context_meter.new_context().run(metrics._callbacks_var.get) == ()
+
+
+def test_new_context_keeps_other_variables():
+    """Only the metering starts afresh: the other context variables are kept, and the
+    current context is untouched
+    """
+    token = other_var.set("hello")
+    try:
+        with context_meter.add_callback(lambda *args: None):
+            with context_meter.meter("x"):
+                ctx = context_meter.new_context()
+                assert metrics._current_meter_var.get() is not None
+        assert ctx.run(other_var.get) == "hello"
+        assert ctx.run(metrics._callbacks_var.get) == ()
+        assert ctx.run(metrics._current_meter_var.get) is None
+        ctx.run(other_var.set, "changed")
+        assert other_var.get() == "hello"
+    finally:
+        other_var.reset(token)
+
+
+class Root(metrics.MeterRoot):
+    """A MeterRoot that is current when the test says so"""
+
+    def __init__(self):
+        self.current = True
+        self.received = []
+
+    def is_current(self):
+        return self.current
+
+    def add_nested(self, seconds, cpu):
+        self.received.append((seconds, cpu))
+
+
+def test_new_context_root():
+    root = Root()
+    ctx = context_meter.new_context(root=root)
+    assert ctx.run(metrics.current_root) is root
+    assert metrics.current_root() is None
+
+    def f():
+        with context_meter.add_callback(lambda *args: None):
+            with context_meter.meter("x"):
+                # A block knows the root of its context
+                assert metrics.current_root() is root
+                context_meter.digest_metric("y", 1, "seconds")
+            context_meter.digest_metric("z", 2, "seconds")
+
+    ctx.run(f)
+    # The root receives the blocks and bare seconds directly inside it, with no CPU
+    # time: it didn't ask for it
+    assert len(root.received) == 2
+    assert root.received[0][0] >= 1
+    assert root.received[0][1] == 0
+    assert root.received[1] == (2, 0)
 
 
 @gen_test()
@@ -613,8 +779,7 @@ async def test_new_context_asyncio_task():
     assert [label for label, _, _ in out] == ["child", "main", "done"]
 
 
-def test_delayed_metrics_ledger():
-    clock = FakeClock()
+def _ledger_with_metrics(clock):
     ledger = DelayedMetricsLedger(clock)
     clock.t = 1
     with ledger.record():
@@ -629,7 +794,12 @@ def test_delayed_metrics_ledger():
     clock.t += 8
     # Not recorded
     context_meter.digest_metric("bar", 100, "seconds")
+    return ledger
 
+
+def test_delayed_metrics_ledger():
+    ledger = _ledger_with_metrics(FakeClock())
+    assert ledger.seconds == 2.5
     assert ledger.finalize() == [
         ("foo", 2, "seconds"),
         ("n", 1, "count"),
@@ -637,6 +807,10 @@ def test_delayed_metrics_ledger():
         ("b", 10, "bytes"),
         ("other", 12.5, "seconds"),
     ]
+
+
+def test_delayed_metrics_ledger_coarse_time():
+    ledger = _ledger_with_metrics(FakeClock())
     assert ledger.finalize(coarse_time="failed") == [
         ("n", 1, "count"),
         ("b", 10, "bytes"),
@@ -644,24 +818,122 @@ def test_delayed_metrics_ledger():
     ]
 
 
-def test_delayed_metrics_ledger_floor():
+@pytest.mark.parametrize(
+    "t,kwargs,expect",
+    [
+        (1, {}, [("foo", 3, "seconds"), ("other", 0, "seconds")]),
+        (1, {"floor": False}, [("foo", 3, "seconds"), ("other", -2, "seconds")]),
+        (1, {"floor": 1.5}, [("foo", 3, "seconds"), ("other", 1.5, "seconds")]),
+        (-1, {"coarse_time": "x"}, [("x", 0, "seconds")]),
+        (-1, {"coarse_time": "x", "floor": False}, [("x", -1, "seconds")]),
+    ],
+)
+def test_delayed_metrics_ledger_floor(t, kwargs, expect):
     clock = FakeClock()
     ledger = DelayedMetricsLedger(clock)
     with ledger.record():
         context_meter.digest_metric("foo", 3, "seconds")
-    clock.t = 1
-    assert ledger.finalize() == [("foo", 3, "seconds"), ("other", 0, "seconds")]
-    assert ledger.finalize(floor=False) == [
-        ("foo", 3, "seconds"),
-        ("other", -2, "seconds"),
+    clock.t = t
+    assert ledger.finalize(**kwargs) == expect
+
+
+def test_delayed_metrics_ledger_finalized():
+    """Once finalized, the ledger records nothing more and can't be finalized again"""
+    ledger = DelayedMetricsLedger()
+    with ledger.record():
+        context_meter.digest_metric("a", 1, "seconds")
+        out = ledger.finalize()
+        context_meter.digest_metric("b", 1, "seconds")
+    ledger("c", 1, "seconds")
+    ledger.add_phase("d", 1, 0)
+    assert [m[0] for m in out] == ["a", "other"]
+    assert ledger.metrics is None
+    assert ledger.seconds == 1
+    with pytest.raises(RuntimeError, match="finalized twice"):
+        ledger.finalize()
+
+
+@pytest.mark.parametrize("nested,expect", [(0, 5), (2, 3), (5, 0), (6, 0)])
+def test_delayed_metrics_ledger_add_phase(nested, expect):
+    """The seconds recorded during a phase come out of it; the rest is floored"""
+    ledger = DelayedMetricsLedger()
+    ledger(("before",), 10, "seconds")
+    mark = ledger.seconds
+    ledger("n", 3, "count")  # Not subtracted
+    if nested:
+        ledger("own", nested, "seconds")
+    ledger.add_phase("deserialize", 5, mark)
+    assert ledger.metrics[-1] == ("deserialize", expect, "seconds")
+    # The phase counts towards the seconds of any enclosing phase
+    assert ledger.seconds == 10 + nested + expect
+
+
+def _thread_root(nested=0.0, nested_cpu=0.0):
+    root = metrics.ThreadRoot(lambda: None, Root(), owned=True)
+    root.nested = nested
+    root.nested_cpu = nested_cpu
+    return root
+
+
+@pytest.mark.parametrize(
+    "nested,nested_cpu,expect_cpu,expect_noncpu",
+    [
+        # wall 5, of which 3 CPU time
+        (0, 0, 3, 2),
+        # Blocks come out of the CPU time by their CPU time, and out of the rest by
+        # the rest
+        (1, 1, 2, 2),
+        (2, 0, 3, 0),
+        (2, 1, 2, 1),
+        (5, 3, 0, 0),
+        # Bare seconds come out of the rest first, then out of the CPU time
+        (3, 0, 2, 0),
+        # Both floored at 0
+        (6, 0, 0, 0),
+        (6, 4, 0, 0),
+    ],
+)
+def test_delayed_metrics_ledger_add_thread_phase(
+    nested, nested_cpu, expect_cpu, expect_noncpu
+):
+    ledger = DelayedMetricsLedger()
+    ledger("n", 7, "count")  # Not subtracted
+    ledger.add_thread_phase(5, 3, _thread_root(nested, nested_cpu))
+    assert ledger.metrics[-2:] == [
+        ("thread-cpu", expect_cpu, "seconds"),
+        ("thread-noncpu", expect_noncpu, "seconds"),
     ]
-    assert ledger.finalize(floor=1.5) == [
-        ("foo", 3, "seconds"),
+    assert ledger.seconds == expect_cpu + expect_noncpu
+
+
+def test_delayed_metrics_ledger_add_thread_phase_cpu_exceeds_wall():
+    """The two clocks may disagree slightly; noncpu is floored, and the phase stays
+    as long as the wall time
+    """
+    ledger = DelayedMetricsLedger()
+    ledger.add_thread_phase(1.0, 1.5, _thread_root())
+    assert ledger.metrics == [
+        ("thread-cpu", 1.0, "seconds"),
+        ("thread-noncpu", 0.0, "seconds"),
+    ]
+
+
+def test_delayed_metrics_ledger_phases_finalize():
+    clock = FakeClock(100)
+    ledger = DelayedMetricsLedger(clock)
+    ledger("a", 1.5, "seconds")
+    ledger("n", 3, "count")
+    ledger.add_phase("deserialize", 2, ledger.seconds)
+    ledger.add_thread_phase(5, 4, _thread_root())
+    clock.t = 110
+    assert ledger.finalize() == [
+        ("a", 1.5, "seconds"),
+        ("n", 3, "count"),
+        ("deserialize", 2, "seconds"),
+        ("thread-cpu", 4, "seconds"),
+        ("thread-noncpu", 1, "seconds"),
         ("other", 1.5, "seconds"),
     ]
-    clock.t = -1
-    assert ledger.finalize(coarse_time="x") == [("x", 0, "seconds")]
-    assert ledger.finalize(coarse_time="x", floor=False) == [("x", -1, "seconds")]
 
 
 def test_delayed_metrics_ledger_nested_in_meter():

@@ -3,6 +3,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import time
 from typing import cast
 
 import pytest
@@ -76,8 +77,9 @@ def test_disk_write(tmp_path):
         ("disk-write", 1, "count"),
         ("disk-write", nbytes, "bytes"),
     ]
-    # Too small to be compressed
-    assert seconds_labels(out) == {"serialize", "disk-write"}
+    # Too small to be compressed, but compress is there all the same: the time spent
+    # deciding not to
+    assert seconds_labels(out) == {"serialize", "compress", "disk-write"}
     assert all(v >= 0 for _, v, _ in out)
 
     # The same metrics, aggregated
@@ -112,8 +114,10 @@ def test_disk_read_and_memory_read(tmp_path):
     ]
     assert seconds_labels(out) == {
         "disk-read",
+        "decompress",
         "deserialize",
         "serialize",
+        "compress",
         "disk-write",
     }
 
@@ -127,8 +131,10 @@ def test_disk_read_and_memory_read(tmp_path):
     }
     assert seconds_labels(buf.cumulative_metrics) == {
         "disk-read",
+        "decompress",
         "deserialize",
         "serialize",
+        "compress",
         "disk-write",
     }
 
@@ -182,9 +188,11 @@ def test_compression(tmp_path):
         "deserialize",
     }
     # Everything the buffer did is in cumulative_metrics, and nothing more
+    expect = {}
     for label, value, unit in written + read:
         if label != "other":
-            assert buf.cumulative_metrics[label, unit] == value
+            expect[label, unit] = expect.get((label, unit), 0) + value
+    assert buf.cumulative_metrics == pytest.approx(expect)
 
 
 def test_cumulative_metrics_whatever_the_activity(tmp_path):
@@ -263,7 +271,7 @@ def test_max_spill_no_disk_write(tmp_path):
     buf["a"] = "a" * 100
     assert set(buf.memory) == {"a"}
     assert non_seconds(buf.cumulative_metrics) == {}
-    assert seconds_labels(buf.cumulative_metrics) == {"serialize"}
+    assert seconds_labels(buf.cumulative_metrics) == {"serialize", "compress"}
 
 
 def test_oserror_no_disk_write_count(tmp_path):
@@ -277,7 +285,7 @@ def test_oserror_no_disk_write_count(tmp_path):
     assert set(buf.memory) == {"a"}
     assert non_seconds(buf.cumulative_metrics) == {}
     # Failed writes are not metered
-    assert seconds_labels(buf.cumulative_metrics) == {"serialize"}
+    assert seconds_labels(buf.cumulative_metrics) == {"serialize", "compress"}
 
 
 def test_metrics_callback_error(tmp_path):
@@ -497,3 +505,55 @@ def test_spilled_total(tmp_path):
     assert buf.spilled_total == SpilledSize(2 * sizeof("a" * 100), disk_bytes(tmp_path))
     del buf["a"]
     assert buf.spilled_total == SpilledSize(sizeof("b" * 100), disk_bytes(tmp_path))
+
+
+class SlowSizeof:
+    """An object whose sizeof is slow"""
+
+    def __init__(self, delay: float):
+        self.delay = delay
+
+    def __sizeof__(self):
+        time.sleep(self.delay)
+        return 100
+
+
+def test_disk_write_excludes_sizeof(tmp_path):
+    """sizeof, which may be slow, is not disk time, neither in the fine metrics nor
+    in get_metrics()
+    """
+    buf = SpillBuffer(str(tmp_path), target=1_000_000)
+    x = SlowSizeof(0)
+    buf["x"] = x
+    x.delay = 0.2
+    out = []
+    with context_meter.add_callback(lambda *args: out.append(args)):
+        buf.evict()
+    assert set(buf.slow) == {"x"}
+    seconds = {label: value for label, value, unit in out if unit == "seconds"}
+    assert seconds["disk-write"] < 0.1
+    assert buf.cumulative_metrics["disk-write", "seconds"] < 0.1
+    assert buf.get_metrics()["disk_write_time_total"] < 0.1
+
+
+@pytest.mark.parametrize("compression", [None, False, "lz4"])
+@pytest.mark.parametrize("size", [1, 100_000])
+def test_spill_labels_do_not_depend_on_sizes(tmp_path, compression, size):
+    """Every spilled key posts serialize, compress and disk-write seconds, and every
+    unspilled key disk-read, decompress and deserialize seconds, whether or not the
+    payload was big enough, or compressible enough, to be compressed
+    """
+    if compression == "lz4":
+        pytest.importorskip("lz4")
+    value = b"0" * size
+    buf = SpillBuffer(str(tmp_path), target=1_000_000)
+    with dask.config.set({"distributed.comm.compression": compression}):
+        buf["x"] = value
+        written = []
+        with context_meter.add_callback(lambda *args: written.append(args)):
+            buf.evict()
+        read = []
+        with context_meter.add_callback(lambda *args: read.append(args)):
+            assert buf["x"] == value
+    assert seconds_labels(written) == {"serialize", "compress", "disk-write"}
+    assert seconds_labels(read) == {"disk-read", "decompress", "deserialize"}

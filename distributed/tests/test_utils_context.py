@@ -1,12 +1,15 @@
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from distributed.metrics import context_meter
+from distributed import metrics
+from distributed.metrics import MeterRoot, ThreadRoot, context_meter
 from distributed.utils import offload, run_in_executor_with_context
 from distributed.utils_test import gen_test
 
@@ -119,3 +122,151 @@ async def test_context_meter_no_callbacks_leak_into_executor():
                 ex, context_meter.digest_metric, "y", 1, "count"
             )
     assert out == [("y", 1, "count")]
+
+
+class LoopRoot(MeterRoot):
+    """A MeterRoot whose own work is one asyncio task, like the worker's recorder"""
+
+    def __init__(self):
+        self.thread = threading.get_ident()
+        self.task = None
+
+    def is_current(self):
+        return (
+            threading.get_ident() == self.thread and asyncio.current_task() is self.task
+        )
+
+
+def test_in_thread_without_root():
+    """Without a root, a function is run in the thread as it is"""
+
+    def f():
+        pass
+
+    assert context_meter.in_thread(f) is f
+    with context_meter.add_callback(lambda *args: None):
+        with context_meter.meter("x"):
+            assert context_meter.in_thread(f) is f
+
+
+@gen_test()
+async def test_thread_root_nests_in_caller():
+    """Under a root, what the function meters in its thread reaches the callbacks,
+    nests into the caller's open block, and tells the blocks' CPU time apart.
+    """
+    root = LoopRoot()
+    out = []
+
+    def cb(label, value, unit):
+        # A callback like the worker's recorder: takes only the root's own work
+        if metrics.current_root().is_current():
+            out.append((label, value, unit))
+
+    cpu = []
+
+    def burn_then_sleep():
+        # The CPU time of the thread spent in a block is known to the thread root
+        c0 = metrics.thread_time()
+        with context_meter.meter("burn"):
+            t0 = metrics.thread_time()
+            while metrics.thread_time() - t0 < 0.05:
+                pass
+        with context_meter.meter("sleep"):
+            time.sleep(0.05)
+        cpu.append(metrics.thread_time() - c0)
+        # Bare seconds: no CPU time
+        context_meter.digest_metric("bare", 1.0, "seconds")
+        return metrics.current_root()
+
+    async def main():
+        with context_meter.add_callback(cb):
+            with context_meter.meter("outer", floor=False) as m:
+                thread_root = await run_in_executor_with_context(None, burn_then_sleep)
+        return thread_root, m
+
+    ctx = context_meter.new_context(root=root)
+    task = ctx.run(asyncio.create_task, main())
+    root.task = task
+    thread_root, m = await task
+
+    assert isinstance(thread_root, ThreadRoot)
+    assert thread_root.func is None  # Not kept alive after it ran
+    assert thread_root.thread is None
+    assert [label for label, _, _ in out] == ["burn", "sleep", "bare", "outer"]
+    burn, sleep, bare = (v for _, v, _ in out[:3])
+    assert thread_root.nested == pytest.approx(burn + sleep + bare)
+    # The CPU time of the thread inside the two blocks (burn: at least 0.05 s)
+    assert 0.05 <= thread_root.nested_cpu <= cpu[0]
+    assert thread_root.nested_cpu == pytest.approx(cpu[0], abs=0.01)
+    # The caller's block waited for the thread: its seconds were subtracted
+    assert out[3][1] == pytest.approx(m.delta - thread_root.nested)
+
+
+@gen_test()
+async def test_thread_root_not_owned():
+    """Work handed to a thread by something that is not the root's own work (e.g. an
+    asyncio task that the root's task started and didn't wait for) isn't current
+    there either
+    """
+    root = LoopRoot()
+    seen = []
+
+    def f():
+        r = metrics.current_root()
+        seen.append((type(r), r.is_current()))
+
+    async def background():
+        await offload(f)
+
+    async def main():
+        await offload(f)
+        await asyncio.create_task(background())
+
+    ctx = context_meter.new_context(root=root)
+    task = ctx.run(asyncio.create_task, main())
+    root.task = task
+    await task
+    assert seen == [(ThreadRoot, True), (ThreadRoot, False)]
+
+
+@gen_test()
+async def test_thread_root_not_current_elsewhere():
+    """What a function run under a thread root starts and doesn't wait for, e.g. a
+    callback scheduled on the event loop, inherits the root, which isn't current
+    there, and doesn't receive the seconds digested there
+    """
+    root = LoopRoot()
+    loop = asyncio.get_running_loop()
+    seen = []
+    done = asyncio.Event()
+
+    def on_loop():
+        r = metrics.current_root()
+        with context_meter.add_callback(lambda *args: None):
+            context_meter.digest_metric("x", 5.0, "seconds")
+        seen.append((r, r.is_current()))
+        done.set()
+
+    def in_thread():
+        loop.call_soon_threadsafe(on_loop)
+        return metrics.current_root()
+
+    async def main():
+        thread_root = await offload(in_thread)
+        await done.wait()
+        return thread_root
+
+    ctx = context_meter.new_context(root=root)
+    task = ctx.run(asyncio.create_task, main())
+    root.task = task
+    thread_root = await task
+    assert seen == [(thread_root, False)]
+    assert thread_root.nested == 0
+
+
+def test_thread_root_runs_once():
+    root = ThreadRoot(lambda x: x + 1, LoopRoot(), owned=True)
+    assert root(1) == 2
+    with pytest.raises(RuntimeError, match="only once"):
+        root(1)
+    assert context_meter.in_thread(root) is root

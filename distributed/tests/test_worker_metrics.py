@@ -5,6 +5,7 @@ carried on the events of the worker state machine.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import gc
 import threading
 import time
@@ -18,21 +19,32 @@ import pytest
 
 import dask
 
-from distributed import Client, Event, Reschedule, get_client, get_worker, secede
+from distributed import (
+    Client,
+    Event,
+    Reschedule,
+    Scheduler,
+    Worker,
+    get_client,
+    get_worker,
+    secede,
+)
 from distributed.compatibility import PeriodicCallback
 from distributed.core import Status
 from distributed.metrics import _callbacks_var, context_meter
 from distributed.spill import SpillBuffer
 from distributed.tests.test_worker_state_machine_metrics import recording
+from distributed.utils import sync
 from distributed.utils_test import (
     BlockedGatherDep,
     BlockedGetData,
     async_poll_for,
     gen_cluster,
+    gen_test,
     inc,
     wait_for_state,
 )
-from distributed.worker import Worker, apply_function_simple
+from distributed.worker import apply_function_simple
 from distributed.worker_state_machine import (
     ExecuteDoneEvent,
     ExecuteFailureEvent,
@@ -397,7 +409,7 @@ async def test_gather_dep(c, s, a, b):
     assert await y == 10_000_000
 
     [ev] = events_of(b, GatherDepSuccessEvent)
-    m = {(label, unit): value for label, value, unit in ev.metrics}
+    m = sum_metrics([ev])
     assert activity_digests(b, "gather-dep") == m
     assert {"network", "deserialize", "other"} <= {label for label, _ in m}
     assert all(unit == "seconds" for _, unit in m)
@@ -681,7 +693,7 @@ async def test_spill_and_unspill(c, s, a, b):
 
     # Spilling the output is part of execute
     [ev] = events_of(a, ExecuteSuccessEvent, "x")
-    m = {(label, unit): value for label, value, unit in ev.metrics}
+    m = sum_metrics([ev])
     assert m["disk-write", "count"] == 1
     assert m["disk-write", "bytes"] > 0
     assert type(m["disk-write", "bytes"]) is int
@@ -707,7 +719,7 @@ async def test_spill_and_unspill(c, s, a, b):
     assert m["disk-read", "count"] >= 1
     assert {("network", "seconds"), ("serialize", "seconds")} <= set(m)
     [ev] = events_of(b, GatherDepSuccessEvent)
-    m = {(label, unit): value for label, value, unit in ev.metrics}
+    m = sum_metrics([ev])
     assert m["disk-write", "count"] == 1
     assert {"network", "deserialize", "serialize", "disk-write", "other"} <= {
         label for label, _ in m
@@ -1046,3 +1058,198 @@ async def test_execute_deserialize_offloaded(c, s, a, monkeypatch):
     m = {label: value for label, value, _ in ev.metrics}
     assert 0 <= m["deserialize"] <= elapsed
     assert sum(m.values()) <= elapsed
+
+
+def timed_busy(seconds: float) -> tuple[float, float]:
+    """busy(), returning the wall and CPU time it took"""
+    t0, c0 = time.perf_counter(), time.thread_time()
+    busy(seconds)
+    return time.perf_counter() - t0, time.thread_time() - c0
+
+
+def burn_then_metered_sleep():
+    out = timed_busy(0.2)
+    with context_meter.meter("my-sleep"):
+        time.sleep(0.2)
+    return out
+
+
+def burn_then_bare_seconds():
+    out = timed_busy(0.2)
+    time.sleep(0.2)
+    context_meter.digest_metric("my-sleep", 0.2, "seconds")
+    return out
+
+
+@pytest.mark.parametrize("func", [burn_then_metered_sleep, burn_then_bare_seconds])
+@gen_cluster(client=True, nthreads=[("", 1)])
+async def test_execute_task_meters_its_own_time(c, s, a, func):
+    """The seconds that a task meters come out of the right phase of its thread: a
+    meter block by the CPU time it took and the rest; bare seconds out of the
+    non-CPU time first
+    """
+    busy_wall, busy_cpu = await c.submit(func, key="f-1")
+    m = execute_digests(a, "f")
+    assert m["my-sleep", "seconds"] >= 0.2
+    # All the CPU time of the task is the busy loop's; so is all its non-CPU time
+    # but the sleep (on a busy machine, the loop takes more wall time than CPU time)
+    assert m["thread-cpu", "seconds"] == pytest.approx(busy_cpu, abs=0.05)
+    assert m["thread-noncpu", "seconds"] == pytest.approx(
+        busy_wall - busy_cpu, abs=0.05
+    )
+    # Additive: the thread's phase is broken down exactly
+    [startstop] = a.state.tasks["f-1"].startstops
+    compute = startstop["stop"] - startstop["start"]
+    assert m["thread-cpu", "seconds"] + m["thread-noncpu", "seconds"] + m[
+        "my-sleep", "seconds"
+    ] == pytest.approx(compute, abs=1e-6)
+
+
+def start_work_on_loop():
+    """Start work on the worker's event loop that digests seconds both while the task
+    still runs and after it finished, through add_callback and sync()
+    """
+    w = get_worker()
+    ran = threading.Event()
+
+    def digest(label):
+        context_meter.digest_metric(label, 10.0, "seconds")
+        with context_meter.meter(f"{label}-block"):
+            pass
+
+    def while_running():
+        digest("add-callback")
+        ran.set()
+
+    async def after_finished():
+        await asyncio.sleep(0.1)
+        digest("later")
+        loop_work_done.set()
+
+    async def synced():
+        digest("sync")
+
+    w.loop.add_callback(while_running)
+    assert ran.wait(5)
+    sync(w.loop, synced)
+    w.loop.add_callback(after_finished)
+    time.sleep(0.05)
+
+
+async def start_work_on_loop_async():
+    """An async task that starts another asyncio task, which digests seconds while
+    the task runs and after it finished
+    """
+    ran = asyncio.Event()
+
+    async def background():
+        context_meter.digest_metric("background", 10.0, "seconds")
+        ran.set()
+        await asyncio.sleep(0.1)
+        context_meter.digest_metric("later", 10.0, "seconds")
+        loop_work_done.set()
+
+    bg_tasks.add(asyncio.create_task(background()))
+    await ran.wait()
+    await asyncio.sleep(0.05)
+
+
+loop_work_done = threading.Event()
+bg_tasks: set[asyncio.Task] = set()
+
+
+@pytest.mark.parametrize("func", [start_work_on_loop, start_work_on_loop_async])
+@gen_cluster(client=True, nthreads=[("", 1)])
+async def test_work_started_by_task_is_not_the_task(c, s, a, func):
+    """What a task starts on the event loop, and what runs there after it finished,
+    is not part of the task: it doesn't feed its metrics, and its seconds don't come
+    out of the task's phases
+    """
+    loop_work_done.clear()
+    t0 = time.perf_counter()
+    await c.submit(func, key="f-1")
+    elapsed = time.perf_counter() - t0
+    await async_poll_for(loop_work_done.is_set, timeout=5)
+
+    [ev] = events_of(a, ExecuteSuccessEvent, "f-1")
+    labels = [label for label, _, _ in ev.metrics]
+    assert labels == ["deserialize", "thread-cpu", "thread-noncpu", "other"] or (
+        labels == ["deserialize", "thread-noncpu", "other"]
+    )
+    m = execute_digests(a, "f")
+    assert set(m) == {(label, "seconds") for label in labels}
+    # The 0.05 s that the task slept are still in its thread phase
+    assert m["thread-noncpu", "seconds"] >= 0.04
+    assert sum(m.values()) <= elapsed
+    bg_tasks.clear()
+
+
+request_id: contextvars.ContextVar[str] = contextvars.ContextVar(
+    "request_id", default="unset"
+)
+
+
+def read_request_id():
+    return request_id.get()
+
+
+async def read_request_id_async():
+    return request_id.get()
+
+
+@gen_test()
+async def test_context_variables_seen_by_tasks_and_handlers():
+    """A context variable set before the worker starts (by a tracing library, say)
+    is seen by sync and async tasks, and by handlers
+    """
+    token = request_id.set("r-1")
+    try:
+        async with Scheduler(dashboard_address=":0") as s:
+            async with Worker(s.address, nthreads=1) as w:
+                async with Client(s.address, asynchronous=True) as c:
+                    assert await c.submit(read_request_id, key="f-1") == "r-1"
+                    assert await c.submit(read_request_id_async, key="g-1") == "r-1"
+                    assert await c.run(read_request_id) == {w.address: "r-1"}
+                    # Still metered as usual
+                    assert ("execute", "f", "other", "seconds") in w.digests_total
+                    assert ("execute", "g", "other", "seconds") in w.digests_total
+    finally:
+        request_id.reset(token)
+
+
+@gen_cluster(client=True)
+async def test_gather_dep_story_busy(c, s, a, b):
+    """gather_dep's story uses the vocabulary of later releases of upstream"""
+    a.transfer_outgoing_count_limit = 0  # Always busy
+    x = c.submit(inc, 1, key="x", workers=[a.address])
+    y = c.submit(inc, x, key="y", workers=[b.address])
+    await async_poll_for(
+        lambda: any(ev[0] == "gather-dep-busy" for ev in b.state.log), 5
+    )
+    a.transfer_outgoing_count_limit = 10
+    assert await y == 3
+    busy_logs = [ev for ev in b.state.log if ev[0] == "gather-dep-busy"]
+    assert busy_logs[0][1:3] == (a.address, {"x"})
+    assert not any(ev[0] == "busy-gather" for ev in b.state.log)
+
+
+@gen_cluster(client=True, nthreads=[("", 1)])
+async def test_gather_dep_story_failed(c, s, a):
+    async with BlockedGetData(s.address) as x:
+        fx = c.submit(inc, 1, key="x", workers=[x.address], allow_other_workers=True)
+        await wait_for_state("x", "memory", x)
+        fy = c.submit(inc, fx, key="y", workers=[a.address])
+        await x.in_get_data.wait()
+        close_task = asyncio.create_task(x.close())
+        assert await fy == 3
+        x.block_get_data.set()
+        await close_task
+
+    failed_logs = [ev for ev in a.state.log if ev[0] == "gather-dep-failed"]
+    assert len(failed_logs) == 1
+    assert failed_logs[0][1:3] == (x.address, {"x"})
+    assert not any(ev[0] == "receive-dep-failed" for ev in a.state.log)
+    [ev] = events_of(a, GatherDepNetworkFailureEvent)
+    assert ev.stimulus_id.startswith("gather-dep-failed-")
+    # The story of the key tells it too
+    assert any(e[0] == "gather-dep-failed" for e in a.state.story("x"))

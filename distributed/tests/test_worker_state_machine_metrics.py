@@ -7,13 +7,14 @@ behaviour of the events they touch is unchanged.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 from collections import defaultdict
 
 import pytest
 
 import distributed.worker_state_machine as wsm
-from distributed.metrics import context_meter
+from distributed.metrics import DelayedMetricsLedger, MeterRoot, context_meter
 from distributed.protocol.serialize import Serialize
 from distributed.utils import recursive_to_dict
 from distributed.utils_test import async_poll_for, gen_test
@@ -27,6 +28,7 @@ from distributed.worker_state_machine import (
     FreeKeysEvent,
     GatherDep,
     GatherDepBusyEvent,
+    GatherDepDoneEvent,
     GatherDepFailureEvent,
     GatherDepNetworkFailureEvent,
     GatherDepSuccessEvent,
@@ -124,6 +126,52 @@ def test_execute_events_accept_metrics():
     for ev in (ev1, ev2, ev3):
         assert ev.metrics == METRICS
         assert not hasattr(ev, "__dict__")
+
+
+def _done_event_classes():
+    out = []
+    todo = [wsm.InstructionDoneEvent]
+    while todo:
+        cls = todo.pop()
+        out.append(cls)
+        todo.extend(cls.__subclasses__())
+    return sorted(set(out), key=lambda c: c.__name__)
+
+
+@pytest.mark.parametrize("cls", _done_event_classes(), ids=lambda c: c.__name__)
+def test_done_events_built_from_their_fields(cls):
+    """Every event that ends an instruction, abstract bases included, can be built
+    from its own fields, metrics among them
+    """
+    kwargs = {
+        f.name: f"dummy-{f.name}"
+        for f in dataclasses.fields(cls)
+        if f.init and f.name != "metrics"
+    }
+    ev = cls(**kwargs, metrics=list(METRICS))
+    assert ev.metrics == METRICS
+    assert cls(**kwargs).metrics == []
+    assert "metrics" in {f.name for f in dataclasses.fields(cls)}
+
+
+def test_new_done_event_cannot_forget_metrics():
+    """metrics is declared once, where it belongs: a new subclass with fields of its
+    own, without defaults, has it too
+    """
+
+    @dataclasses.dataclass
+    class MyGatherDepEvent(GatherDepDoneEvent):
+        __slots__ = ("extra",)
+        extra: int
+
+    try:
+        ev = MyGatherDepEvent("s", "w", 1, 2, metrics=list(METRICS))
+        assert (ev.worker, ev.total_nbytes, ev.extra) == ("w", 1, 2)
+        assert ev.metrics == METRICS
+        assert MyGatherDepEvent("s", "w", 1, 2).metrics == []
+        assert not hasattr(ev, "__dict__")
+    finally:
+        del wsm.StateMachineEvent._classes["MyGatherDepEvent"]
 
 
 def test_to_loggable_keeps_metrics():
@@ -479,118 +527,54 @@ def test_recorder_counts_seconds():
     ]
 
 
-@pytest.mark.parametrize("nested,expect", [(0, 5), (2, 3), (5, 0), (6, 0)])
-def test_recorder_add_phase(nested, expect):
-    """The seconds recorded during a phase come out of it; the rest is floored"""
+def test_recorder_is_a_ledger():
+    """The worker's recorder is the ledger of distributed.metrics, specialised"""
     r = _recorder()
-    r(("before",), 10, "seconds")
-    mark = r.seconds
-    r("n", 3, "count")  # Not subtracted
-    if nested:
-        r("own", nested, "seconds")
-    r.add_phase("deserialize", 5, mark)
-    assert r.metrics[-1] == ("deserialize", expect, "seconds")
-    # The phase counts towards the seconds of any enclosing phase
-    assert r.seconds == 10 + nested + expect
-
-
-@pytest.mark.parametrize(
-    "nested,expect_cpu,expect_noncpu",
-    [
-        (0, 3, 2),
-        # The seconds recorded during the phase come out of the CPU time first...
-        (1, 2, 2),
-        # ...then out of the rest
-        (4, 0, 1),
-        # Both floored at 0
-        (6, 0, 0),
-    ],
-)
-def test_recorder_add_thread_phase(nested, expect_cpu, expect_noncpu):
-    r = _recorder()
-    mark = r.seconds
-    r("n", 7, "count")  # Not subtracted
-    if nested:
-        r("own", nested, "seconds")
-    r.add_thread_phase(5, 3, mark)
-    assert r.metrics[-2:] == [
-        ("thread-cpu", expect_cpu, "seconds"),
-        ("thread-noncpu", expect_noncpu, "seconds"),
-    ]
-
-
-def test_recorder_add_thread_phase_cpu_exceeds_wall():
-    """The two clocks may disagree slightly; noncpu is floored, cpu is kept"""
-    r = _recorder()
-    r.add_thread_phase(1.0, 1.5, r.seconds)
-    assert r.metrics == [
-        ("thread-cpu", 1.5, "seconds"),
-        ("thread-noncpu", 0.0, "seconds"),
-    ]
-
-
-def _recorder_started_at(start, monkeypatch, finished_at):
-    """A recorder whose clock reads ``start`` when it is created and
-    ``finished_at`` when it is finalized
-    """
-    clock = iter([start, finished_at])
-    monkeypatch.setattr(wsm, "perf_counter", lambda: next(clock))
-    return _recorder()
-
-
-def test_recorder_finalize(monkeypatch):
-    """other is the time since the start that no seconds metric accounts for"""
-    r = _recorder_started_at(100.0, monkeypatch, finished_at=110.0)
-    r("a", 1.5, "seconds")
-    r("n", 3, "count")
+    assert isinstance(r, DelayedMetricsLedger)
+    assert isinstance(r, MeterRoot)
     r.add_phase("deserialize", 2, r.seconds)
-    r.add_thread_phase(5, 4, r.seconds)
-    assert r.finalize() == [
-        ("a", 1.5, "seconds"),
-        ("n", 3, "count"),
-        ("deserialize", 2, "seconds"),
-        ("thread-cpu", 4, "seconds"),
-        ("thread-noncpu", 1, "seconds"),
-        ("other", 1.5, "seconds"),
-    ]
+    assert [m[0] for m in r.finalize()] == ["deserialize", "other"]
+    with pytest.raises(RuntimeError, match="finalized twice"):
+        r.finalize()
 
 
-def test_recorder_finalize_floor(monkeypatch):
-    """other is floored at 0, e.g. when a metric measured with another clock
-    exceeds the elapsed time
-    """
-    r = _recorder_started_at(100.0, monkeypatch, finished_at=101.0)
-    r("a", 3, "seconds")
-    assert r.finalize()[-1] == ("other", 0.0, "seconds")
-
-
-def test_recorder_finalize_coarse_time(monkeypatch):
-    """A lump of all the elapsed time replaces the seconds; the rest is kept"""
-    r = _recorder_started_at(100.0, monkeypatch, finished_at=110.0)
-    r("a", 1.5, "seconds")
-    r("n", 3, "count")
-    r.add_thread_phase(5, 4, r.seconds)
-    assert r.finalize(coarse_time="failed") == [
-        ("n", 3, "count"),
-        ("failed", 10.0, "seconds"),
-    ]
-
-
-def test_recorder_finalized():
-    """Once finalized, the recorder records nothing more and can't be finalized
-    again
+@gen_test()
+async def test_recorder_takes_only_its_own_work():
+    """The recorder takes what its own asyncio task digests, and what is digested in
+    the callback that handles its final event; not what another asyncio task or
+    callback digests in a copy of its context
     """
     r = _recorder()
-    r("a", 1, "seconds")
-    metrics = r.finalize()
-    r("b", 1, "seconds")
-    r.add_phase("c", 1, 0)
-    r.add_thread_phase(1, 1, 0)
-    assert [m[0] for m in metrics] == ["a", "other"]
-    assert r.metrics is None
-    assert r.seconds == 1
-    with pytest.raises(AssertionError, match="finalized twice"):
-        r.finalize()
+    ctx = context_meter.new_context(r, root=r)
+    started = asyncio.Event()
+
+    async def background():
+        context_meter.digest_metric("background", 1, "count")
+
+    async def main():
+        context_meter.digest_metric("own", 1, "count")
+        asyncio.get_running_loop().call_soon(
+            context_meter.digest_metric, "call_soon", 1, "count"
+        )
+        await asyncio.create_task(background())
+        started.set()
+        await asyncio.sleep(0)
+
+    handled = asyncio.Event()
+
+    def handle(_):
+        # Like BaseWorker._handle_stimulus_from_task: outside of any task
+        r.task = None
+        context_meter.digest_metric("handling", 1, "count")
+        handled.set()
+
+    task = ctx.run(asyncio.create_task, main())
+    r.task = task
+    task.add_done_callback(handle, context=ctx)
+    await handled.wait()
+    # Not the instruction's work, even in its context
+    ctx.run(context_meter.digest_metric, "from another task", 1, "count")
+    assert [m[0] for m in r.metrics] == ["own", "handling"]
 
 
 class PhaseMockWorker(MetricsMockWorker):
