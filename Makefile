@@ -12,7 +12,8 @@ TREE_INPUTS := $(shell find patches distributed tools/forktools conftest.py pypr
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
 
-.PHONY: tree refresh install test demo lint bench bench-quick bench-instructions clean
+.PHONY: tree refresh install test test-upstream test-upstream-pristine demo lint \
+	bench bench-quick bench-instructions clean
 
 tree:
 	$(FORK) tree
@@ -84,6 +85,61 @@ bench-quick:
 bench-instructions: $(BENCH_FORK)/.installed $(BENCH_PRISTINE)/.installed
 	$(PYTHON) benchmarks/instructions.py --fork $(BENCH_FORK)/bin/python \
 		--pristine $(BENCH_PRISTINE)/bin/python $(BENCH_ARGS)
+
+# Upstream's own test suite of 2023.3.1 (an archive outside the repository, see
+# docs/upstream_tests.rst) against the fork, a regular install of build/tree into
+# build/upstream/fork; and against pristine 2023.3.1 from the package index, the
+# reference. The list of expected failures is continuous_integration/
+# upstream-tests-expected.txt. Without the archive, the run says so and passes,
+# except under CI=true.
+UPSTREAM_TESTS ?= ../shared/upstream/distributed-2023.3.1-tests.tar.gz
+UPSTREAM_MODULES ?= distributed/tests/test_worker.py \
+	distributed/tests/test_worker_state_machine.py \
+	distributed/tests/test_worker_memory.py distributed/tests/test_spill.py \
+	distributed/tests/test_metrics.py distributed/tests/test_cancelled_state.py \
+	distributed/tests/test_steal.py distributed/tests/test_resources.py \
+	distributed/tests/test_utils.py distributed/tests/test_core.py \
+	distributed/protocol/tests distributed/http/worker/tests \
+	distributed/dashboard/tests/test_worker_bokeh.py
+UPSTREAM_ARGS ?=
+UPSTREAM_REQUIREMENTS := continuous_integration/requirements-upstream-tests.txt
+UPSTREAM_FORK := build/upstream/fork
+UPSTREAM_PRISTINE := build/upstream/pristine
+UPSTREAM_RUN = $(PYTHON) tools/upstream_tests.py run --archive $(UPSTREAM_TESTS)
+
+$(UPSTREAM_FORK)/.installed: $(CONSTRAINTS) $(UPSTREAM_REQUIREMENTS) $(TREE_STAMP)
+	rm -rf $(UPSTREAM_FORK)
+	$(PYTHON) -m venv $(UPSTREAM_FORK)
+	$(UPSTREAM_FORK)/bin/python $(PIP_INSTALL) -r $(UPSTREAM_REQUIREMENTS)
+	$(UPSTREAM_FORK)/bin/python $(PIP_INSTALL) --no-build-isolation ./build/tree
+	touch $@
+
+$(UPSTREAM_PRISTINE)/.installed: $(CONSTRAINTS) $(UPSTREAM_REQUIREMENTS)
+	rm -rf $(UPSTREAM_PRISTINE)
+	$(PYTHON) -m venv $(UPSTREAM_PRISTINE)
+	$(UPSTREAM_PRISTINE)/bin/python $(PIP_INSTALL) -r $(UPSTREAM_REQUIREMENTS) \
+		distributed==2023.3.1
+	touch $@
+
+ifneq ($(wildcard $(UPSTREAM_TESTS)),)
+test-upstream: $(UPSTREAM_FORK)/.installed
+test-upstream-pristine: $(UPSTREAM_PRISTINE)/.installed
+endif
+
+test-upstream:
+	$(UPSTREAM_RUN) --side fork --python $(UPSTREAM_FORK)/bin/python \
+		--out build/upstream/runs/fork $(UPSTREAM_MODULES) -- $(UPSTREAM_ARGS)
+
+# Then, where the fork has run too, the tests whose outcome differs.
+test-upstream-pristine:
+	$(UPSTREAM_RUN) --side pristine --python $(UPSTREAM_PRISTINE)/bin/python \
+		--out build/upstream/runs/pristine $(UPSTREAM_MODULES) -- $(UPSTREAM_ARGS); \
+	rc=$$?; \
+	if [ -f build/upstream/runs/fork/report.json ] && \
+		[ -f build/upstream/runs/pristine/report.json ]; then \
+		$(PYTHON) tools/upstream_tests.py compare build/upstream/runs/fork/report.json \
+		build/upstream/runs/pristine/report.json; fi; \
+	exit $$rc
 
 clean:
 	rm -rf build $(VENV)
