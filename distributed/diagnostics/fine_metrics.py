@@ -1,6 +1,7 @@
 """Where the workers' time goes: a table of their fine performance metrics.
 
-Run as a script, it prints the table for a running cluster::
+Run as a script, it prints the table for a running cluster, from the
+scheduler's store (so it includes the workers that have left)::
 
     python -m distributed.diagnostics.fine_metrics tcp://scheduler:8786
 
@@ -15,18 +16,20 @@ from collections import defaultdict
 from collections.abc import Hashable, Iterable, Mapping
 from typing import Any
 
-from dask.utils import format_bytes
-
 from distributed.client import Client, wait
+from distributed.metrics import (
+    FINE_METRICS_ACTIVITIES,
+    FINE_METRICS_UNITS,
+    format_fine_metrics,
+    is_fine_metric,
+)
 
 #: The activities that post fine performance metrics, in the order of the report.
-ACTIVITIES = ("execute", "gather-dep", "get-data", "memory-monitor")
-UNITS = ("seconds", "bytes", "count")
+ACTIVITIES = tuple(FINE_METRICS_ACTIVITIES)
+UNITS = FINE_METRICS_UNITS
 
-
-def is_fine_metric(key: Hashable) -> bool:
-    """Whether a key of ``Worker.digests_total`` is a fine performance metric"""
-    return isinstance(key, tuple) and len(key) >= 3 and key[0] in ACTIVITIES
+#: Render fine performance metrics as a text table
+format_table = format_fine_metrics
 
 
 def worker_fine_metrics(dask_worker: object) -> dict[Hashable, float]:
@@ -36,14 +39,23 @@ def worker_fine_metrics(dask_worker: object) -> dict[Hashable, float]:
 
 
 def cluster_fine_metrics(client: Client) -> Any:
-    """The fine performance metrics of all workers of a cluster, added up.
-
-    Returns a dict, or an awaitable of it if the client is asynchronous.
+    """The fine performance metrics of the cluster, from the scheduler's store
+    (workers that have left included), after every worker delivered what it
+    holds: a :class:`~distributed.metrics.FineMetrics`, or an awaitable of it if
+    the client is asynchronous.
     """
-    return client.sync(_cluster_fine_metrics, client)
+    return client.get_fine_metrics()
 
 
-async def _cluster_fine_metrics(client: Client) -> dict[Hashable, float]:
+def workers_fine_metrics(client: Client) -> Any:
+    """The fine performance metrics of the live workers, asked of each with
+    ``Client.run`` and added up; see :func:`cluster_fine_metrics` for the
+    scheduler's view.
+    """
+    return client.sync(_workers_fine_metrics, client)
+
+
+async def _workers_fine_metrics(client: Client) -> dict[Hashable, float]:
     total: dict[Hashable, float] = defaultdict(int)
     per_worker = await client.run(worker_fine_metrics)
     for metrics in per_worker.values():
@@ -52,91 +64,22 @@ async def _cluster_fine_metrics(client: Client) -> dict[Hashable, float]:
     return dict(total)
 
 
-def _label_text(label: Hashable) -> str:
-    if isinstance(label, tuple):
-        return "/".join(map(str, label))
-    return str(label)
-
-
-def _rows(
-    metrics: Mapping[Hashable, float]
-) -> dict[tuple[str, str, str], dict[str, float]]:
-    """{(activity, task prefix or "", label): {unit: value}}"""
-    rows: dict[tuple[str, str, str], dict[str, float]] = defaultdict(dict)
-    for key, value in metrics.items():
-        if not is_fine_metric(key):
-            continue
-        assert isinstance(key, tuple)
-        if key[0] == "execute":
-            _, prefix, label, unit = key
-        else:
-            (_, label, unit), prefix = key, ""
-        row = rows[key[0], str(prefix), _label_text(label)]
-        row[unit] = row.get(unit, 0) + value
-    return rows
-
-
-def _cell(unit: str, value: float | None) -> str:
-    if value is None:
-        return ""
-    if unit == "seconds":
-        return f"{value:.3f}"
-    if unit == "bytes":
-        return format_bytes(int(value))
-    return f"{value:g}"
-
-
-def format_table(metrics: Mapping[Hashable, float]) -> str:
-    """Render fine performance metrics as a text table.
-
-    One row per activity, task prefix (for ``execute``) and label, with a column
-    for each of seconds, bytes and count, and a total of seconds per activity and
-    prefix. Rows are sorted by activity, then by seconds, largest first.
-    Labels a task posts itself in another unit are listed in an extra column.
-
-    Parameters
-    ----------
-    metrics:
-        A mapping like ``Worker.digests_total``; keys that are not fine
-        performance metrics are ignored.
+def views_agree(
+    scheduler: Mapping[Hashable, float], workers: Mapping[Hashable, float]
+) -> bool:
+    """Whether the scheduler's totals and the workers' agree: the same keys, counts
+    and bytes equal, seconds within rounding
     """
-    rows = _rows(metrics)
-    extra_units = sorted({u for r in rows.values() for u in r} - set(UNITS))
-    header = ["activity", "task prefix", "label", *UNITS, *extra_units]
-    table: list[list[str]] = [header]
-    groups: dict[tuple[str, str], list[tuple[str, dict[str, float]]]] = defaultdict(
-        list
-    )
-    for (activity, prefix, label), row in rows.items():
-        groups[activity, prefix].append((label, row))
-
-    def group_order(item: tuple[tuple[str, str], object]) -> tuple[int, str]:
-        (activity, prefix), _ = item
-        return ACTIVITIES.index(activity), prefix
-
-    for (activity, prefix), labels in sorted(groups.items(), key=group_order):
-        labels.sort(key=lambda lr: (-lr[1].get("seconds", -1.0), lr[0]))
-        for label, row in labels:
-            cells = [_cell(u, row.get(u)) for u in (*UNITS, *extra_units)]
-            table.append([activity, prefix, label, *cells])
-        total = sum(row.get("seconds", 0) for _, row in labels)
-        blanks = [""] * (len(UNITS) - 1 + len(extra_units))
-        table.append([activity, prefix, "(total)", _cell("seconds", total), *blanks])
-    return _render(table)
-
-
-def _render(table: list[list[str]]) -> str:
-    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
-    lines = []
-    for n, row in enumerate(table):
-        cells = [
-            cell.ljust(w) if i < 3 else cell.rjust(w)
-            for i, (cell, w) in enumerate(zip(row, widths))
-        ]
-        lines.append("  ".join(cells).rstrip())
-        if n == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    if set(scheduler) != set(workers):
+        return False
+    for key, value in workers.items():
+        other = scheduler[key]
+        if isinstance(key, tuple) and key[-1] == "seconds":
+            if abs(other - value) > 1e-9 * max(1.0, abs(value)):
+                return False
+        elif other != value:
+            return False
+    return True
 
 
 def demo_workload(client: Client) -> None:
@@ -181,8 +124,9 @@ def demo_workload(client: Client) -> None:
         pass
 
 
-def run_demo(**cluster_kwargs: Any) -> dict[Hashable, float]:
-    """Run :func:`demo_workload` on a LocalCluster and return its metrics.
+def run_demo(**cluster_kwargs: Any) -> tuple[dict[Hashable, float], bool]:
+    """Run :func:`demo_workload` on a LocalCluster and return its metrics, as the
+    scheduler holds them, and whether they agree with the workers' own
 
     ``cluster_kwargs`` go to :class:`~distributed.LocalCluster` (e.g. ``loop``).
     """
@@ -208,7 +152,18 @@ def run_demo(**cluster_kwargs: Any) -> dict[Hashable, float]:
             **cluster_kwargs,
         ) as cluster, Client(cluster, loop=cluster_kwargs.get("loop")) as client:
             demo_workload(client)
-            return cluster_fine_metrics(client)
+            # get_data posts its metrics once the peer acknowledged the data, which
+            # may be after the peer moved on: wait for the transfers to end
+            client.run(_wait_for_transfers)
+            scheduler = dict(cluster_fine_metrics(client))
+            workers = workers_fine_metrics(client)
+            return scheduler, views_agree(scheduler, workers)
+
+
+def _wait_for_transfers(dask_worker: Any) -> None:
+    deadline = time.monotonic() + 5
+    while dask_worker.transfer_outgoing_count and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def main(argv: Iterable[str] | None = None) -> None:
@@ -221,11 +176,20 @@ def main(argv: Iterable[str] | None = None) -> None:
     args = parser.parse_args(None if argv is None else list(argv))
     if args.scheduler:
         with Client(args.scheduler) as client:
-            metrics = cluster_fine_metrics(client)
-    else:
-        print("Running the demonstration workload on a LocalCluster...")
-        metrics = run_demo()
+            metrics = dict(cluster_fine_metrics(client))
+        print(format_table(metrics))
+        return
+    print("Running the demonstration workload on a LocalCluster...")
+    metrics, agree = run_demo()
+    print("The scheduler's view of the cluster (Client.get_fine_metrics()):")
     print(format_table(metrics))
+    if agree:
+        print(
+            "The scheduler's view agrees with the workers' own totals "
+            "(the same keys; counts and bytes equal; seconds within rounding)."
+        )
+    else:
+        print("WARNING: the scheduler's view differs from the workers' own totals")
 
 
 if __name__ == "__main__":

@@ -8,8 +8,10 @@ from distributed.diagnostics.fine_metrics import (
     format_table,
     is_fine_metric,
     run_demo,
+    views_agree,
+    workers_fine_metrics,
 )
-from distributed.utils_test import gen_cluster, inc
+from distributed.utils_test import async_poll_for, gen_cluster, inc
 
 
 def test_is_fine_metric():
@@ -85,7 +87,11 @@ async def test_cluster_fine_metrics(c, s, a, b):
     x = c.submit(inc, 1, workers=[a.address])
     y = c.submit(inc, x, workers=[b.address])
     assert await y == 3
-    metrics = await cluster_fine_metrics(c)
+    # get_data posts its metrics once the peer acknowledged the data
+    await async_poll_for(
+        lambda: not a.transfer_outgoing_count and not b.transfer_outgoing_count, 5
+    )
+    metrics = dict(await cluster_fine_metrics(c))
     assert all(is_fine_metric(k) for k in metrics)
     expected: dict = {}
     for w in (a, b):
@@ -94,6 +100,9 @@ async def test_cluster_fine_metrics(c, s, a, b):
             if is_fine_metric(k):
                 expected[k] = expected.get(k, 0) + v
     assert metrics == pytest.approx(expected)
+    assert views_agree(metrics, expected)
+    assert views_agree(metrics, await workers_fine_metrics(c))
+    assert not views_agree(metrics, {**expected, ("get-data", "x", "count"): 1})
     assert metrics[("execute", "inc", "thread-cpu", "seconds")] > 0
     assert metrics[("gather-dep", "network", "seconds")] > 0
     assert metrics[("get-data", "network", "seconds")] > 0
@@ -102,7 +111,9 @@ async def test_cluster_fine_metrics(c, s, a, b):
 @pytest.mark.slow
 def test_demo(loop):
     """The demo shows every activity, spilling, transfers and the failure"""
-    out = format_table(run_demo(loop=loop))
+    metrics, agree = run_demo(loop=loop)
+    assert agree
+    out = format_table(metrics)
     rows = [line.split() for line in out.splitlines()[2:]]
     found = {
         (r[0], r[1] if r[0] == "execute" else "", r[2 if r[0] == "execute" else 1])

@@ -1,0 +1,659 @@
+"""The cluster view of the fine performance metrics: delivered by the workers to
+the scheduler exactly once, stored there, and read from a client, the command line
+and the scheduler's HTTP API.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import signal
+import sys
+from collections import defaultdict
+from collections.abc import Mapping
+
+import pytest
+
+from distributed import Nanny, get_fine_metrics
+from distributed.core import Status
+from distributed.metrics import (
+    FineMetrics,
+    FineMetricsReceiver,
+    FineMetricsSender,
+    context_meter,
+    is_fine_metric,
+    parse_fine_metrics_delivery,
+    without_prefix,
+)
+from distributed.utils_test import (
+    async_poll_for,
+    captured_logger,
+    gen_cluster,
+    inc,
+    slowinc,
+)
+
+
+async def fetch(port: int, path: str) -> str:
+    """GET a page of a server's HTTP endpoint, with a real HTTP client"""
+    from tornado.httpclient import AsyncHTTPClient
+
+    response = await AsyncHTTPClient().fetch(f"http://127.0.0.1:{port}{path}")
+    assert response.code == 200
+    return response.body.decode()
+
+
+def worker_totals(*workers) -> dict:
+    """The fine metrics of some workers, added up"""
+    out: dict = defaultdict(int)
+    for w in workers:
+        for k, v in w.digests_total.items():
+            if is_fine_metric(k):
+                out[k] += v
+    return dict(out)
+
+
+def assert_equal_totals(actual: Mapping, expect: Mapping) -> None:
+    """Counts and bytes exactly, seconds within rounding"""
+    assert set(actual) == set(expect)
+    for k, v in expect.items():
+        if k[-1] == "seconds":
+            assert actual[k] == pytest.approx(v, rel=1e-9, abs=1e-12), k
+        else:
+            assert actual[k] == v, k
+            assert type(actual[k]) is type(v), k
+
+
+async def settle(*workers) -> None:
+    """Wait for get_data to post its metrics: it does so after the peer acknowledged
+    receipt, which may happen after the peer (e.g. the client) moved on
+    """
+    await async_poll_for(
+        lambda: not any(w.transfer_outgoing_count for w in workers), timeout=5
+    )
+
+
+def stop_heartbeats(*workers) -> None:
+    for w in workers:
+        w.periodic_callbacks["heartbeat"].stop()
+
+
+def posting(x, n=1):
+    context_meter.digest_metric("my-count", n, "count")
+    context_meter.digest_metric(("my", "tuple"), 1, "count")
+    return x + 1
+
+
+async def workload(c, a, b) -> None:
+    x = c.submit(posting, 1, key="posting-1", workers=[a.address])
+    y = c.submit(inc, x, key="inc-1", workers=[b.address])
+    assert await y == 3
+    await settle(a, b)
+
+
+@gen_cluster(client=True)
+async def test_scheduler_has_the_workers_totals(c, s, a, b):
+    await workload(c, a, b)
+    fm = await c.get_fine_metrics()
+    assert isinstance(fm, FineMetrics)
+    expect = worker_totals(a, b)
+    assert ("execute", "posting", "my-count", "count") in expect
+    assert ("gather-dep", "network", "seconds") in expect
+    assert ("get-data", "network", "seconds") in expect
+    assert_equal_totals(fm, expect)
+    assert_equal_totals(s.cumulative_worker_metrics, expect)
+    # Per worker, without the task prefix
+    assert set(fm.workers) == {a.address, b.address}
+    for w in (a, b):
+        short: dict = defaultdict(int)
+        for k, v in worker_totals(w).items():
+            short[without_prefix(k)] += v
+        assert_equal_totals(fm.workers[w.address], short)
+
+
+@gen_cluster(client=True)
+async def test_heartbeat_delivers(c, s, a, b):
+    """Without any flush, the heartbeats deliver"""
+    await workload(c, a, b)
+    expect = worker_totals(a, b)
+    await async_poll_for(
+        lambda: set(s.cumulative_worker_metrics) == set(expect), timeout=10
+    )
+    await a.heartbeat()
+    await b.heartbeat()
+    assert_equal_totals(s.cumulative_worker_metrics, worker_totals(a, b))
+
+
+class FailingRPC:
+    """Stands in for a method of the worker's rpc to the scheduler"""
+
+    def __init__(self, real, *, apply_first: bool = False, exc=OSError):
+        self.real = real
+        self.apply_first = apply_first
+        self.exc = exc
+        self.calls = 0
+
+    async def __call__(self, **kwargs):
+        self.calls += 1
+        if self.apply_first:
+            # The scheduler gets the delivery, but the reply is lost
+            await self.real(**kwargs)
+        raise self.exc("injected failure")
+
+
+@pytest.mark.parametrize(
+    "apply_first,exc",
+    [(False, OSError), (True, OSError), (False, asyncio.TimeoutError)],
+)
+@gen_cluster(client=True)
+async def test_failed_delivery_is_merged_into_the_next(c, s, a, b, apply_first, exc):
+    """A delivery that fails is kept and merged into the next one; one that reached
+    the scheduler but whose reply was lost is not counted twice
+    """
+    stop_heartbeats(a, b)
+    await workload(c, a, b)
+    a.scheduler.heartbeat_worker = FailingRPC(
+        a.scheduler.heartbeat_worker, apply_first=apply_first, exc=exc
+    )
+    try:
+        with captured_logger("distributed.worker") as log:
+            await a.heartbeat()
+        assert a.scheduler.heartbeat_worker.calls == 1
+        assert "Failed to communicate with scheduler" in log.getvalue()
+        # More work while the scheduler is unreachable
+        assert await c.submit(posting, 10, key="posting-2", workers=[a.address]) == 11
+        await a.heartbeat()
+        assert a.scheduler.heartbeat_worker.calls == 2
+    finally:
+        del a.scheduler.heartbeat_worker
+    await settle(a, b)
+    await a.heartbeat()
+    await b.heartbeat()
+    assert_equal_totals(s.cumulative_worker_metrics, worker_totals(a, b))
+    assert a._fine_metrics_sender.sent == {}
+
+
+@gen_cluster(client=True)
+async def test_digests_during_delivery_go_with_the_next(c, s, a, b):
+    stop_heartbeats(a, b)
+    await workload(c, a, b)
+    real = a.scheduler.heartbeat_worker
+    in_flight = asyncio.Event()
+    release = asyncio.Event()
+
+    async def slow_heartbeat(**kwargs):
+        in_flight.set()
+        await release.wait()
+        return await real(**kwargs)
+
+    a.scheduler.heartbeat_worker = slow_heartbeat
+    try:
+        hb = asyncio.create_task(a.heartbeat())
+        await in_flight.wait()
+        # Digested while the delivery is in flight
+        assert await c.submit(posting, 5, key="posting-2", workers=[a.address]) == 6
+        release.set()
+        await hb
+    finally:
+        del a.scheduler.heartbeat_worker
+    await settle(a, b)
+    assert ("execute", "posting", "my-count", "count") in s.cumulative_worker_metrics
+    assert (
+        s.cumulative_worker_metrics["execute", "posting", "my-count", "count"]
+        < worker_totals(a)["execute", "posting", "my-count", "count"]
+    )
+    await a.heartbeat()
+    await b.heartbeat()
+    assert_equal_totals(s.cumulative_worker_metrics, worker_totals(a, b))
+
+
+@gen_cluster(client=True, nthreads=[("", 1)])
+async def test_duplicated_delivery_applied_once(c, s, a):
+    stop_heartbeats(a)
+    await c.submit(posting, 1, key="posting-1")
+    await settle(a)
+    delivery = a._fine_metrics_sender.delivery()
+    assert delivery is not None
+    assert s.handle_worker_fine_metrics(worker=a.address, delivery=delivery) == 1
+    before = dict(s.cumulative_worker_metrics)
+    # The same delivery again, e.g. retried by the network layer
+    assert s.handle_worker_fine_metrics(worker=a.address, delivery=delivery) == 1
+    # An older one arriving late
+    stale = dict(delivery, seq=0)
+    with captured_logger("distributed.scheduler") as log:
+        assert s.handle_worker_fine_metrics(worker=a.address, delivery=stale) is None
+    assert "malformed" in log.getvalue()
+    assert s.cumulative_worker_metrics == before
+    a._fine_metrics_sender.acknowledge(1)
+    await a.heartbeat()
+    assert_equal_totals(s.cumulative_worker_metrics, worker_totals(a))
+
+
+@gen_cluster(client=True, nthreads=[("", 1)])
+async def test_bad_deliveries_rejected(c, s, a):
+    """Entries that are not fine metrics of a known shape with a finite real value
+    are dropped with one warning per worker; the rest of the delivery and the
+    heartbeat go on
+    """
+    stop_heartbeats(a)
+    good = ("execute", "p", "lbl", "count")
+    bad = [
+        ["not-a-tuple", 1],
+        [("execute", "p", "lbl"), 1],  # too short for execute
+        [("gather-dep", "p", "lbl", "seconds"), 1],  # too long for gather-dep
+        [("unknown-activity", "lbl", "seconds"), 1],
+        [("execute", 1, "lbl", "seconds"), 1],  # prefix not a str
+        [("execute", "p", "lbl", 7), 1],  # unit not a str
+        [("get-data", ["list"], "seconds"), 1],
+        [("get-data", "x", "seconds"), math.nan],
+        [("get-data", "x", "seconds"), math.inf],
+        [("get-data", "x", "count"), True],
+        [("get-data", "x", "count"), "1"],
+        "not-a-pair",
+    ]
+    delivery = {"seq": 1, "base": 0, "metrics": [[good, 2], *bad]}
+    with captured_logger("distributed.scheduler") as log:
+        resp = s.heartbeat_worker(
+            address=a.address, metrics=await a.get_metrics(), fine_metrics=delivery
+        )
+        assert resp["status"] == "OK"
+        assert resp["fine-metrics-ack"] == 1
+        # A second bad delivery is not logged again
+        s.heartbeat_worker(
+            address=a.address,
+            metrics=await a.get_metrics(),
+            fine_metrics={"seq": 2, "base": 1, "metrics": bad},
+        )
+        s.heartbeat_worker(
+            address=a.address, metrics=await a.get_metrics(), fine_metrics="garbage"
+        )
+    assert log.getvalue().count("Fine metrics from") == 1
+    assert f"dropped {len(bad)} entries" in log.getvalue()
+    assert dict(s.cumulative_worker_metrics) == {good: 2}
+
+
+@gen_cluster(client=True, nthreads=[("", 1)] * 2)
+async def test_graceful_close_delivers(c, s, a, b):
+    stop_heartbeats(a, b)
+    await workload(c, a, b)
+    expect = worker_totals(a, b)
+    await a.close()
+    await b.close()
+    await async_poll_for(lambda: not s.workers, timeout=5)
+    assert_equal_totals(s.cumulative_worker_metrics, expect)
+    # The per-worker view is gone with the workers; the totals stay
+    assert s._fine_metrics_receivers == {}
+    fm = await c.get_fine_metrics()
+    assert fm.workers == {}
+    assert_equal_totals(fm, expect)
+
+
+@gen_cluster(client=True)
+async def test_retire_workers_delivers(c, s, a, b):
+    stop_heartbeats(a, b)
+    await workload(c, a, b)
+    await c.retire_workers([a.address])
+    # The scheduler removes a before a closes; a delivers what it holds as it closes
+    await async_poll_for(lambda: a.status == Status.closed, timeout=5)
+    assert a.address not in s.workers
+    assert a.address not in s._fine_metrics_receivers
+    key = ("execute", "posting", "my-count", "count")
+    await async_poll_for(lambda: key in s.cumulative_worker_metrics, timeout=5)
+    # What b fetched from a while a was retiring is b's, and delivered by b
+    await settle(b)
+    await b.heartbeat()
+    assert_equal_totals(s.cumulative_worker_metrics, worker_totals(a, b))
+
+
+@pytest.mark.slow
+@gen_cluster(client=True, Worker=Nanny, nthreads=[("", 1)])
+async def test_worker_killed_keeps_up_to_last_delivery(c, s, a):
+    """A worker process killed with SIGKILL: the scheduler keeps everything it
+    delivered, and loses only what it gathered since
+    """
+
+    def stop_hb(dask_worker):
+        dask_worker.periodic_callbacks["heartbeat"].stop()
+
+    def totals(dask_worker):
+        return {k: v for k, v in dask_worker.digests_total.items() if is_fine_metric(k)}
+
+    await c.submit(posting, 1, key="posting-1")
+    await c.get_fine_metrics()  # Flush
+    await c.run(stop_hb)
+    delivered = dict(s.cumulative_worker_metrics)
+    [before] = (await c.run(totals)).values()
+    assert_equal_totals(delivered, before)
+
+    # More work, never delivered
+    await c.submit(posting, 1, 100, key="posting-2")
+    [after] = (await c.run(totals)).values()
+    assert after["execute", "posting", "my-count", "count"] == 101
+    assert s.cumulative_worker_metrics["execute", "posting", "my-count", "count"] == 1
+
+    pid = a.process.pid
+    addr = a.worker_address
+    os.kill(pid, signal.SIGKILL)
+    await async_poll_for(lambda: addr not in s.workers, timeout=20)
+    assert addr not in s._fine_metrics_receivers
+    assert_equal_totals(s.cumulative_worker_metrics, delivered)
+
+
+@gen_cluster(client=True, nthreads=[("", 1)])
+async def test_memory_grows_with_keys_not_heartbeats(c, s, a):
+    stop_heartbeats(a)
+    for i in range(50):
+        await c.submit(posting, 1, key=f"posting-{i}")
+        await a.heartbeat()
+    receiver = s._fine_metrics_receivers[a.address]
+    n_keys = len(worker_totals(a))
+    assert len(s.cumulative_worker_metrics) == n_keys
+    assert len(receiver.last) <= n_keys
+    assert len(a._fine_metrics_sender.acked) == n_keys
+    assert a._fine_metrics_sender.sent == {}
+    # A scheduler that can't be reached: the worker remembers a bounded number of
+    # deliveries
+    a.scheduler.heartbeat_worker = FailingRPC(a.scheduler.heartbeat_worker)
+    try:
+        for i in range(FineMetricsSender.MAX_IN_FLIGHT * 2):
+            await c.submit(posting, 1, key=f"posting-more-{i}")
+            with captured_logger("distributed.worker"):
+                await a.heartbeat()
+        assert len(a._fine_metrics_sender.sent) == FineMetricsSender.MAX_IN_FLIGHT
+    finally:
+        del a.scheduler.heartbeat_worker
+    await settle(a)
+    await a.heartbeat()
+    assert_equal_totals(s.cumulative_worker_metrics, worker_totals(a))
+
+
+def test_sender_receiver_exactly_once():
+    """Every interleaving of lost deliveries and lost acknowledgements: the
+    receiver's totals always end equal to the sender's
+    """
+    totals: dict = {}
+    sender = FineMetricsSender(totals)
+    receiver = FineMetricsReceiver()
+    cluster: dict = defaultdict(int)
+
+    def add(key, value):
+        cluster[key] += value
+
+    def post(n):
+        key = ("execute", "p", "x", "count")
+        totals[key] = totals.get(key, 0) + n
+
+    # Lost on the way, lost on the way back, delivered twice, out of order
+    post(1)
+    d1 = sender.delivery()
+    post(2)
+    d2 = sender.delivery()  # Same base as d1
+    ack = receiver.receive(*parse_fine_metrics_delivery(d2)[:3], add)
+    # d2's reply is lost; d1 arrives late
+    assert receiver.receive(*parse_fine_metrics_delivery(d1)[:3], add) == ack
+    post(4)
+    d3 = sender.delivery()  # Still on base 0: includes d2
+    sender.acknowledge(receiver.receive(*parse_fine_metrics_delivery(d3)[:3], add))
+    assert receiver.receive(*parse_fine_metrics_delivery(d3)[:3], add) == d3["seq"]
+    assert dict(cluster) == {("execute", "p", "x", "count"): 7}
+    assert sender.delivery() is None
+    post(1)
+    d4 = sender.delivery()
+    assert d4["base"] == d3["seq"]
+    sender.acknowledge(receiver.receive(*parse_fine_metrics_delivery(d4)[:3], add))
+    assert dict(cluster) == {("execute", "p", "x", "count"): 8}
+    assert receiver.totals == {("execute", "x", "count"): 8}
+
+
+def test_sender_portable_keys():
+    """Labels that msgpack or JSON can't carry are sent as their str()"""
+    totals = {
+        ("execute", "p", frozenset({1}), "count"): 1,
+        ("execute", "p", ("a", 1, 2.5), "count"): 1,
+        "not-a-fine-metric": 1,
+    }
+    d = FineMetricsSender(totals).delivery()
+    assert sorted(map(tuple, d["metrics"]), key=str) == sorted(
+        [
+            (("execute", "p", "frozenset({1})", "count"), 1),
+            (("execute", "p", ("a", 1, 2.5), "count"), 1),
+        ],
+        key=str,
+    )
+
+
+def test_fine_metrics_snapshot():
+    fm = FineMetrics(
+        {
+            ("execute", "sum", "thread-cpu", "seconds"): 1.5,
+            ("execute", "sum", ("my", "label"), "count"): 3,
+            ("gather-dep", "network", "seconds"): 0.5,
+        },
+        {"w1": {("execute", "thread-cpu", "seconds"): 1.5}},
+    )
+    assert fm["execute", "sum", "thread-cpu", "seconds"] == 1.5
+    assert len(fm) == 3
+    assert fm.records()[1] == {
+        "activity": "execute",
+        "task_prefix": "sum",
+        "label": ("my", "label"),
+        "unit": "count",
+        "value": 3,
+    }
+    assert fm.records()[2]["task_prefix"] is None
+    table = fm.table()
+    assert "thread-cpu" in table and "my/label" in table and "network" in table
+    later = FineMetrics(
+        {**fm, ("gather-dep", "network", "seconds"): 2.5},
+        {"w1": {("execute", "thread-cpu", "seconds"): 1.5}, "w2": {("a", "b", "c"): 1}},
+    )
+    delta = later - fm
+    assert dict(delta) == {("gather-dep", "network", "seconds"): 2.0}
+    assert delta.workers == {"w1": {}, "w2": {("a", "b", "c"): 1}}
+
+
+def test_fine_metrics_to_dataframe():
+    pd = pytest.importorskip("pandas")
+    fm = FineMetrics(
+        {
+            ("execute", "sum", "thread-cpu", "seconds"): 1.5,
+            ("get-data", "network", "seconds"): 0.5,
+        }
+    )
+    df = fm.to_dataframe()
+    assert list(df.columns) == ["activity", "task_prefix", "label", "unit", "value"]
+    assert len(df) == 2
+    assert df["value"].sum() == 2.0
+    assert pd.isna(df.loc[1, "task_prefix"])
+    assert list(FineMetrics({}).to_dataframe().columns) == list(df.columns)
+
+
+@gen_cluster(client=True)
+async def test_get_fine_metrics_context_manager(c, s, a, b):
+    await workload(c, a, b)
+    async with get_fine_metrics(c) as fm:
+        assert await c.submit(posting, 1, key="block-1", workers=[a.address]) == 2
+    assert isinstance(fm, FineMetrics)
+    # Only what ran inside the block
+    prefixes = {k[1] for k in fm if k[0] == "execute"}
+    assert prefixes == {"block"}
+    assert fm["execute", "block", "my-count", "count"] == 1
+    assert set(fm.workers) == {a.address, b.address}
+    assert fm.workers[a.address][("execute", "my-count", "count")] == 1
+
+
+def test_get_fine_metrics_sync(client):
+    assert client.submit(posting, 1, key="sync-1").result() == 2
+    fm = client.get_fine_metrics()
+    assert fm["execute", "sync", "my-count", "count"] == 1
+    with get_fine_metrics() as block:
+        client.submit(posting, 2, 2, key="sync-2").result()
+    assert block["execute", "sync", "my-count", "count"] == 2
+    assert ("execute", "sync", "my-count", "count") in client.get_fine_metrics()
+    assert "my-count" in block.table()
+
+
+@gen_cluster(
+    client=True,
+    config={
+        "distributed.scheduler.http.routes": [
+            "distributed.http.scheduler.api",
+            "distributed.http.scheduler.prometheus",
+        ]
+    },
+)
+async def test_http_route(c, s, a, b):
+    """The store as JSON, read with a plain HTTP client, whatever the labels"""
+
+    def odd_labels():
+        context_meter.digest_metric(("a", "tuple"), 1, "count")
+        context_meter.digest_metric(frozenset({"x"}), 2, "count")
+        context_meter.digest_metric(42, 3, "count")
+
+    await c.submit(odd_labels, key="odd-1")
+    await workload(c, a, b)
+    await c.get_fine_metrics()
+    body = await fetch(s.http_server.port, "/api/v1/fine_metrics")
+    records = json.loads(body)
+    assert isinstance(records, list)
+    assert len(records) == len(s.cumulative_worker_metrics)
+    by_key = {
+        (r["activity"], r["task_prefix"], json.dumps(r["label"]), r["unit"]): r["value"]
+        for r in records
+    }
+    assert by_key["execute", "odd", '["a", "tuple"]', "count"] == 1
+    assert by_key["execute", "odd", "\"frozenset({'x'})\"", "count"] == 2
+    assert by_key["execute", "odd", "42", "count"] == 3
+    assert ("get-data", None, '"network"', "seconds") in by_key
+    for r in records:
+        assert set(r) == {"activity", "task_prefix", "label", "unit", "value"}
+
+
+def parse_families(body: str) -> dict:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {f.name: f for f in text_string_to_metric_families(body)}
+
+
+@gen_cluster(client=True)
+async def test_prometheus_scheduler_families(c, s, a, b):
+    pytest.importorskip("prometheus_client")
+    await workload(c, a, b)
+    await c.get_fine_metrics()
+    families = parse_families(await fetch(s.http_server.port, "/metrics"))
+    seconds = families["dask_scheduler_fine_metrics_seconds"]
+    counts = families["dask_scheduler_fine_metrics_count"]
+    assert seconds.type == "counter"
+    got = {}
+    for unit, fam in [
+        ("seconds", seconds),
+        ("count", counts),
+        ("bytes", families["dask_scheduler_fine_metrics_bytes"]),
+    ]:
+        for sample in fam.samples:
+            lbl = sample.labels
+            key = lbl["activity"], lbl["task_prefix_name"], lbl["label"], unit
+            got[key] = sample.value
+    expect = {}
+    for key, value in s.cumulative_worker_metrics.items():
+        if len(key) == 4:
+            activity, prefix, label, unit = key
+        else:
+            (activity, label, unit), prefix = key, ""
+        label = "/".join(map(str, label)) if isinstance(label, tuple) else str(label)
+        expect[activity, prefix, label, unit] = value
+    assert got == pytest.approx(expect)
+    assert got["execute", "posting", "my/tuple", "count"] == 1
+
+
+@gen_cluster(
+    client=True,
+    config={"distributed.scheduler.fine-metrics.prometheus.task-prefix": False},
+)
+async def test_prometheus_without_prefix(c, s, a, b):
+    pytest.importorskip("prometheus_client")
+    await workload(c, a, b)
+    await c.get_fine_metrics()
+    families = parse_families(await fetch(s.http_server.port, "/metrics"))
+    samples = families["dask_scheduler_fine_metrics_seconds"].samples
+    assert samples
+    assert all(set(x.labels) == {"activity", "label"} for x in samples)
+    got = {(x.labels["activity"], x.labels["label"]): x.value for x in samples}
+    expect: dict = defaultdict(int)
+    for k, v in s.cumulative_worker_metrics.items():
+        if k[-1] == "seconds":
+            short = without_prefix(k)
+            expect[short[0], short[1]] += v
+    assert got == pytest.approx(dict(expect))
+
+
+@gen_cluster(
+    client=True,
+    nthreads=[("", 1)],
+    config={"distributed.scheduler.fine-metrics.prometheus.max-task-prefixes": 2},
+)
+async def test_prometheus_max_task_prefixes(c, s, a):
+    pytest.importorskip("prometheus_client")
+    await c.submit(slowinc, 1, delay=0.2, key="big-1")
+    await c.submit(slowinc, 1, delay=0.1, key="medium-1")
+    await c.submit(inc, 1, key="small-1")
+    await c.get_fine_metrics()
+    families = parse_families(await fetch(s.http_server.port, "/metrics"))
+    prefixes = {
+        x.labels["task_prefix_name"]
+        for x in families["dask_scheduler_fine_metrics_seconds"].samples
+        if x.labels["activity"] == "execute"
+    }
+    assert prefixes == {"big", "medium", "other"}
+    # A prefix shown stays shown, even when a bigger one comes later
+    await c.submit(slowinc, 1, delay=0.5, key="huge-1")
+    await c.get_fine_metrics()
+    families = parse_families(await fetch(s.http_server.port, "/metrics"))
+    samples = families["dask_scheduler_fine_metrics_seconds"].samples
+    other = sum(
+        x.value
+        for x in samples
+        if x.labels["task_prefix_name"] == "other" and x.labels["activity"] == "execute"
+    )
+    expect_other = sum(
+        v
+        for k, v in s.cumulative_worker_metrics.items()
+        if k[0] == "execute" and k[1] in ("small", "huge") and k[3] == "seconds"
+    )
+    assert other == pytest.approx(expect_other)
+
+
+@gen_cluster(client=True, nthreads=[("", 1)])
+async def test_cli_reads_the_scheduler(c, s, a):
+    """The command line includes the workers that have gone"""
+    await c.submit(posting, 1, key="gone-1")
+    await a.close()
+    await async_poll_for(lambda: not s.workers, timeout=5)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "distributed.diagnostics.fine_metrics",
+        s.address,
+        stdout=asyncio.subprocess.PIPE,
+    )
+    out, _ = await asyncio.wait_for(proc.communicate(), timeout=60)
+    assert proc.returncode == 0
+    table = out.decode()
+    assert "gone" in table and "my-count" in table
+
+
+@gen_cluster(client=True)
+async def test_flush_tolerates_a_failing_worker(c, s, a, b):
+    """A worker whose flush fails doesn't fail get_fine_metrics; the others'
+    metrics are in
+    """
+    await workload(c, a, b)
+
+    async def broken():
+        raise OSError("boom")
+
+    a.handlers["fine_metrics_flush"] = broken
+    with captured_logger("distributed.core"):
+        fm = await c.get_fine_metrics()
+    assert ("execute", "inc", "other", "seconds") in fm  # b's task
