@@ -97,23 +97,34 @@ def fine_metrics_api() -> Any | None:
     return None
 
 
+def queuing_config(queuing: bool) -> dict[str, Any]:
+    """The configuration of queuing on the scheduler: left at its default if
+    ``queuing``, else turned off (see :func:`cluster`)
+    """
+    return {} if queuing else {"distributed.scheduler.worker-saturation": float("inf")}
+
+
 @contextmanager
 def cluster(
     n_workers: int,
     processes: bool = True,
     config: Mapping[str, Any] | None = None,
+    queuing: bool = False,
     **worker_kwargs: Any,
 ) -> Iterator[Client]:
     """A LocalCluster of single-threaded workers and a client connected to it.
 
-    Queuing on the scheduler is turned off: with it, a single-threaded worker
-    holds one or two tasks at a time and trivial tasks run at the pace of the
-    batched-send intervals, which measures idle time rather than overhead. The
-    dashboard is left out: bokeh may be missing from either environment, and its
-    periodic callbacks would only add noise to the CPU readings. ``config`` is set
-    in this process, and the nannies hand it on to the worker processes.
+    Unless ``queuing`` is True, queuing on the scheduler is turned off: with it,
+    a single-threaded worker holds one or two tasks at a time and trivial tasks
+    run at the pace of the batched-send intervals, which measures idle time
+    rather than overhead, and costs more per task (a round trip to the scheduler
+    for every task or two). ``queuing=True`` leaves it at its default, as users
+    run it. The dashboard is left out: bokeh may be missing from either
+    environment, and its periodic callbacks would only add noise to the CPU
+    readings. ``config`` is set in this process, and the nannies hand it on to
+    the worker processes.
     """
-    config = {"distributed.scheduler.worker-saturation": float("inf"), **(config or {})}
+    config = {**queuing_config(queuing), **(config or {})}
     with dask.config.set(config), LocalCluster(
         n_workers=n_workers,
         threads_per_worker=1,

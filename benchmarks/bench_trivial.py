@@ -6,8 +6,13 @@ all in this process. Figures:
 - ``tasks_per_s``: throughput from submission until every task is done;
 - ``cpu_us_per_task``: CPU of the whole process (all its threads) per task.
 
-With ``--quiet``, the worker and the scheduler do no per-second work (see
-``_common.QUIET_CONFIG``), for counting what they do per task.
+Queuing on the scheduler is off (see ``_common.cluster``), so that the worker
+gets the tasks in large batches; with ``--queuing`` it is left at its default
+(``distributed.scheduler.worker-saturation`` not overridden), as users run it:
+the worker then holds one or two tasks at a time, and every task or two costs a
+round trip to the scheduler. With ``--quiet``, the worker and the scheduler do
+no per-second work (see ``_common.QUIET_CONFIG``), for counting what they do per
+task.
 """
 from __future__ import annotations
 
@@ -27,9 +32,10 @@ from _common import (
 from distributed import wait
 
 
-def run(size: int, quiet: bool = False) -> dict[str, float]:
+def run(size: int, quiet: bool = False, queuing: bool = False) -> dict[str, float]:
     """Time ``size`` no-op tasks, after a small unmeasured warm-up batch"""
-    with cluster(1, processes=False, config=QUIET_CONFIG if quiet else None) as client:
+    config = QUIET_CONFIG if quiet else None
+    with cluster(1, processes=False, config=config, queuing=queuing) as client:
         if quiet:
             client.run(stop_periodic_callbacks)
             client.run_on_scheduler(stop_periodic_callbacks)
@@ -52,9 +58,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--quiet", action="store_true", help="no per-second work in the cluster"
     )
+    parser.add_argument(
+        "--queuing",
+        action="store_true",
+        help="queuing on the scheduler at its default, instead of off",
+    )
     args = parser.parse_args(argv)
     check_size(parser, args)
-    emit(run(args.size, args.quiet))
+    emit(run(args.size, args.quiet, args.queuing))
 
 
 if __name__ == "__main__":

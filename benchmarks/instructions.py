@@ -11,6 +11,11 @@ difference of the sizes, so that start-up and shutdown cancel out. Workloads:
     ``bench_trivial.py --quiet``: scheduler, worker and client in one process,
     all counted. The fork's extra work is all in the worker, but here it is
     diluted by the scheduler's and the client's.
+``trivial-default``
+    The same with queuing on the scheduler at its default (``bench_trivial.py
+    --quiet --queuing``), as users run it: the worker holds one or two tasks at
+    a time, and every task or two costs a round trip to the scheduler, where
+    ``trivial`` sends the worker its tasks in large batches.
 ``worker``
     Only the worker is counted, which is what the fork's target is about:
     ``worker_process.py`` runs the scheduler and the client, and the worker in a
@@ -31,7 +36,8 @@ thread twice more per task), the ratio of CPU time is closer to 1 than this.
 Usage::
 
     python benchmarks/instructions.py --fork PYTHON_A --pristine PYTHON_B
-        [--workload trivial|worker] [--sizes 200 1700] [--pairs 2]
+        [--workload trivial|trivial-default|worker] [--sizes 200 1700]
+        [--pairs 2]
 
 Exit status: 0 if every run succeeded, 1 otherwise.
 """
@@ -55,7 +61,9 @@ VALGRIND_ARGS = [
     "--cache-sim=no",
     "--cachegrind-out-file=/dev/null",
 ]
-WORKLOADS = ("trivial", "worker")
+WORKLOADS = ("trivial", "trivial-default", "worker")
+#: Arguments of bench_trivial.py in the in-process workloads
+TRIVIAL_ARGS = {"trivial": ["--quiet"], "trivial-default": ["--quiet", "--queuing"]}
 #: The total that cachegrind prints on stderr at exit, after the process id
 TOTAL_RE = re.compile(r"^==(\d+)== I\s+refs:\s+([\d,]+)\s*$", re.MULTILINE)
 
@@ -94,8 +102,7 @@ def command(workload: str, valgrind: str, python: str, size: int) -> list[str]:
         # The script runs the worker under the prefix given after --
         script, extra = "worker_process.py", ["--", valgrind, *VALGRIND_ARGS]
     else:
-        assert workload == "trivial", workload
-        script, extra = "bench_trivial.py", ["--quiet"]
+        script, extra = "bench_trivial.py", TRIVIAL_ARGS[workload]
     return [
         valgrind,
         *VALGRIND_ARGS,
@@ -181,8 +188,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--workload",
         choices=WORKLOADS,
         default=WORKLOADS[0],
-        help="what to count: the whole in-process cluster, or the worker alone "
-        "(default: trivial)",
+        help="what to count: the whole in-process cluster, queuing off or at its "
+        "default, or the worker alone (default: trivial)",
     )
     parser.add_argument(
         "--sizes",

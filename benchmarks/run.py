@@ -7,11 +7,12 @@ Usage::
 
 ``PYTHON_A`` and ``PYTHON_B`` are the python executables of two environments, one
 with the fork installed and one with pristine distributed 2023.3.1. Each workload
-script (``bench_NAME.py`` beside this file) runs in a fresh subprocess of each
-interpreter in turn, A B A B, for a few rounds after a warm-up; the runner prints
-the median, min-max spread and fork/pristine ratio of every figure (of the
-medians, and the median of each round's ratio), checks the targets, and writes
-all raw numbers as JSON under ``--out``. Each script runs pinned to one CPU (see
+script (``bench_NAME.py`` beside this file, some with arguments: see
+``WORKLOADS``) runs in a fresh subprocess of each interpreter in turn, A B A B,
+for a few rounds after a warm-up; the runner prints the median, min-max spread
+and fork/pristine ratio of every figure (of the medians, and the median of each
+round's ratio), checks the targets, and writes all raw numbers as JSON under
+``--out``. Each script runs pinned to one CPU (see
 :func:`run_script`). docs/benchmarks.rst says more.
 
 Only the standard library is used here, so that any python can run this.
@@ -83,10 +84,14 @@ class Workload:
     #: False to skip the per-workload warm-up (long runs that warm themselves)
     warm_up: bool = True
     targets: dict[str, Target] = field(default_factory=dict)
+    #: The script is ``bench_SCRIPT.py``, by default ``bench_NAME.py``
+    script_name: str | None = None
+    #: Arguments of the script besides ``--size``
+    args: tuple[str, ...] = ()
 
     @property
     def script(self) -> Path:
-        return HERE / f"bench_{self.name}.py"
+        return HERE / f"bench_{self.script_name or self.name}.py"
 
     def size(self, mode: str) -> int:
         return self.sizes[MODES.index(mode)]
@@ -102,6 +107,16 @@ WORKLOADS = [
         (20_000, 3_000, 200),
         (5, 3, 1),
         targets={"cpu_us_per_task": CPU_RATIO},
+    ),
+    # The same under the default configuration: queuing on, a round trip to the
+    # scheduler for every task or two
+    Workload(
+        "trivial-default",
+        (10_000, 2_000, 200),
+        (5, 3, 1),
+        targets={"cpu_us_per_task": CPU_RATIO},
+        script_name="trivial",
+        args=("--queuing",),
     ),
     Workload(
         "cluster",
@@ -225,8 +240,11 @@ def pick_cpu() -> int | None:
     return max(os.sched_getaffinity(0))
 
 
-def run_script(python: str, script: Path, size: int, cpu: int | None) -> Figures:
-    """Run a workload script once and return the figures it printed.
+def run_script(
+    python: str, script: Path, size: int, cpu: int | None, args: Sequence[str] = ()
+) -> Figures:
+    """Run a workload script once, with ``args`` besides ``--size``, and return
+    the figures it printed.
 
     If ``cpu`` is given, the script and every process it starts run on that CPU
     only. CPU time is then the cost of the work alone: spread over several cores,
@@ -241,7 +259,7 @@ def run_script(python: str, script: Path, size: int, cpu: int | None) -> Figures
             os.sched_setaffinity(0, {cpu})
 
     proc = subprocess.run(
-        [python, str(script), "--size", str(size)],
+        [python, str(script), "--size", str(size), *args],
         capture_output=True,
         text=True,
         env=child_env(),
@@ -275,7 +293,7 @@ def run_workload(
         what = f"round {r}/{rounds}" if r else "warm-up"
         t0 = time.perf_counter()
         try:
-            figures = run_script(pythons[side], w.script, size, cpu)
+            figures = run_script(pythons[side], w.script, size, cpu, w.args)
         except (RuntimeError, subprocess.TimeoutExpired) as e:
             log(f"  {w.name} {what} {side}: FAILED")
             return runs, [f"{side}: {e}"]

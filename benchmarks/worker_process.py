@@ -26,7 +26,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from _common import QUIET_CONFIG, emit, noop, stop_periodic_callbacks
+from _common import QUIET_CONFIG, emit, noop, queuing_config, stop_periodic_callbacks
 from run import HERE
 
 import dask
@@ -114,7 +114,7 @@ def close_worker(client: Client, lc: LocalCluster, proc: subprocess.Popen) -> No
 def run(size: int, prefix: Sequence[str]) -> dict[str, float | int]:
     """Time ``size`` no-op tasks on a worker process started under ``prefix``"""
     # See _common.cluster on queuing
-    config = {"distributed.scheduler.worker-saturation": float("inf"), **QUIET_CONFIG}
+    config = {**queuing_config(False), **QUIET_CONFIG}
     with dask.config.set(config), LocalCluster(
         n_workers=0, processes=False, protocol="tcp://", dashboard_address=None
     ) as lc, Client(lc) as client:

@@ -24,9 +24,10 @@ import distributed.metrics
 from distributed import Client, LocalCluster
 
 BENCH = Path(__file__).resolve().parent.parent
-#: Figures of each script, and the tiny size to run it with
+#: Figures of each workload of the runner, and the tiny size to run it with
 FIGURES = {
     "trivial": ({"tasks_per_s", "cpu_us_per_task"}, 200),
+    "trivial-default": ({"tasks_per_s", "cpu_us_per_task"}, 200),
     "cluster": ({"worker_cpu_us_per_task", "wall_s", "tasks_per_s"}, 200),
     "transfer": ({"worker_cpu_us_per_dep", "wall_s"}, 100),
     "spill": ({"worker_cpu_us_per_task", "wall_s", "spilled_fraction"}, 20),
@@ -61,9 +62,9 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def run_script(name: str, size: int) -> dict[str, Any]:
+def run_script(script: Path, size: int, *args: str) -> dict[str, Any]:
     proc = subprocess.run(
-        [sys.executable, str(BENCH / f"bench_{name}.py"), "--size", str(size)],
+        [sys.executable, str(script), "--size", str(size), *args],
         capture_output=True,
         text=True,
         env=child_env(),
@@ -77,9 +78,11 @@ def run_script(name: str, size: int) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("name", list(FIGURES))
-def test_script(name: str) -> None:
+def test_script(name: str, runner: ModuleType) -> None:
+    """Each workload's script, with its arguments, as the runner runs it"""
     expected, size = FIGURES[name]
-    figures = run_script(name, size)
+    w = runner.BY_NAME[name]
+    figures = run_script(w.script, size, *w.args)
     if name == "micro" and not HAS_FINE_METRICS:
         assert figures == {"applicable": False}
         return
@@ -132,17 +135,22 @@ def test_worker_process(tmp_path: Path) -> None:
     assert "End worker" in proc.stderr
 
 
-def test_script_trivial_quiet() -> None:
-    proc = subprocess.run(
-        [sys.executable, str(BENCH / "bench_trivial.py"), "--size", "50", "--quiet"],
-        capture_output=True,
-        text=True,
-        env=child_env(),
-        timeout=240,
-    )
-    assert proc.returncode == 0, proc.stderr
-    figures = json.loads(proc.stdout.strip().splitlines()[-1])
+@pytest.mark.parametrize("args", [["--quiet"], ["--quiet", "--queuing"]])
+def test_script_trivial_options(args: list[str]) -> None:
+    figures = run_script(BENCH / "bench_trivial.py", 50, *args)
     assert set(figures) == FIGURES["trivial"][0]
+
+
+def test_workloads_and_scripts(runner: ModuleType) -> None:
+    """Every workload is tested above, and trivial-default is trivial with queuing
+    at its default
+    """
+    assert list(FIGURES) == list(runner.BY_NAME)
+    assert all(w.script.exists() for w in runner.WORKLOADS)
+    default = runner.BY_NAME["trivial-default"]
+    assert default.script == runner.BY_NAME["trivial"].script
+    assert default.args == ("--queuing",)
+    assert runner.BY_NAME["trivial"].args == ()
 
 
 @pytest.fixture
@@ -175,6 +183,27 @@ def test_quiet_cluster(common: ModuleType) -> None:
             assert server.periodic_callbacks
             assert not any(pc.is_running() for pc in server.periodic_callbacks.values())
         assert client.submit(common.noop, 1).result() == 1
+
+
+# Upstream's synchronous LocalCluster, under tornado 6.2
+@pytest.mark.filterwarnings("ignore:make_current is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("queuing", [False, True])
+def test_cluster_queuing(common: ModuleType, queuing: bool) -> None:
+    """cluster() turns queuing off, unless asked to leave it at its default"""
+    default = dask.config.get("distributed.scheduler.worker-saturation")
+    assert default != float("inf")
+    with common.cluster(1, processes=False, queuing=queuing) as client:
+        saturation = client.run_on_scheduler(get_worker_saturation)
+        assert client.submit(common.noop, 1).result() == 1
+    assert saturation == (default if queuing else float("inf"))
+    assert common.queuing_config(queuing) == (
+        {} if queuing else {"distributed.scheduler.worker-saturation": float("inf")}
+    )
+
+
+def get_worker_saturation(dask_scheduler: Any) -> float:
+    saturation: float = dask_scheduler.WORKER_SATURATION
+    return saturation
 
 
 def test_worker_process_passes_config_on(common: ModuleType) -> None:
@@ -226,7 +255,7 @@ def test_runner(python: str, tmp_path: Path) -> None:
         python,
         "--tiny",
         "--only",
-        "trivial,micro",
+        "trivial,trivial-default,micro",
         "--rounds",
         "2",
         "--out",
@@ -248,6 +277,9 @@ def test_runner(python: str, tmp_path: Path) -> None:
     row = next(r for r in trivial["summary"] if r["figure"] == "cpu_us_per_task")
     assert row["ratio"] == row["fork"]["median"] / row["pristine"]["median"]
     assert row["met"] in (True, False)
+    default = doc["workloads"]["trivial-default"]
+    assert default["errors"] == []
+    assert [len(default["runs"][side]) for side in ("fork", "pristine")] == [2, 2]
     # The micro workload never runs in pristine
     assert list(doc["workloads"]["micro"]["runs"]) == ["fork"]
 

@@ -107,6 +107,9 @@ def test_command(instructions):
         "--quiet",
     ]
 
+    default = instructions.command("trivial-default", "/usr/bin/valgrind", "py", 200)
+    assert default == [*trivial, "--queuing"]
+
 
 def test_default_workload(instructions):
     args = instructions.parse_args(["--fork", "a", "--pristine", "b"])
@@ -142,7 +145,7 @@ def test_no_valgrind(instructions, monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("valgrind") is None, reason="needs valgrind")
-@pytest.mark.parametrize("workload", ["worker", "trivial"])
+@pytest.mark.parametrize("workload", ["worker", "trivial", "trivial-default"])
 def test_end_to_end(tmp_path, workload):
     """The interpreter running the tests on both sides: an A/A pair. One side is
     given by a path relative to the caller's directory, as make does.
