@@ -284,3 +284,18 @@ def test_every_process_of_a_run_gets_the_hook():
         [sys.executable, "-c", code], env=env, capture_output=True, text=True
     )
     assert out.stdout.strip() == "_Finder", out.stderr
+
+
+def test_suite_modules_are_importable_by_their_package_names(tmp_path, monkeypatch):
+    (tmp_path / "distributed/comm/tests").mkdir(parents=True)
+    (tmp_path / "distributed/comm/tests/test_fake.py").write_text("X = 42\n")
+    monkeypatch.setenv(shims.SUITE_VARIABLE, str(tmp_path))
+    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
+    shims.install()
+    try:
+        from distributed.comm.tests.test_fake import X  # type: ignore[import]
+
+        assert X == 42
+    finally:
+        for name in ("distributed.comm.tests.test_fake", "distributed.comm.tests"):
+            sys.modules.pop(name, None)

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from upstreamtests.expected import Entry, load, lookup
+from upstreamtests.shims import SUITE_VARIABLE
 
 TOOLS = Path(__file__).resolve().parents[1]
 
@@ -258,6 +259,7 @@ class Run:
         env["PYTHONPATH"] = os.pathsep.join(
             [str(site), str(TOOLS), *filter(None, [env.get("PYTHONPATH")])]
         )
+        env[SUITE_VARIABLE] = str(self.suite)
         cmd = self.command()
         for warning in busy_ports():
             print(warning)

@@ -10,12 +10,16 @@ their own modules in worker processes (functions pickled by reference). So
 :func:`install` adds an import hook that applies them whenever a shimmed module
 is imported; ``site/sitecustomize.py`` beside this file calls it at the start of
 every python process of a run, the harness putting that folder on PYTHONPATH.
+The same hook lets upstream's test modules import each other by their names in
+upstream's source tree (:class:`_SuiteFinder`).
 """
 from __future__ import annotations
 
 import dataclasses
 import importlib.abc
 import importlib.machinery
+import importlib.util
+import os
 import sys
 from collections.abc import Callable, Sequence
 from types import ModuleType
@@ -88,10 +92,47 @@ class _Finder(importlib.abc.MetaPathFinder):
         return None
 
 
+class _SuiteFinder(importlib.abc.MetaPathFinder):
+    """Upstream's test modules by their names within the package, from the suite.
+
+    A few import another folder's test module as upstream's source tree has it,
+    e.g. ``from distributed.tests.test_batched import EchoServer``; the installed
+    package has no tests. This finds ``distributed.[...].tests[.NAME]`` in the
+    suite's folders instead.
+    """
+
+    def __init__(self, suite: str):
+        self.suite = suite
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: Any = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        parts = fullname.split(".")
+        if parts[0] != "distributed" or "tests" not in parts[1:]:
+            return None
+        base = os.path.join(self.suite, *parts)
+        if os.path.isdir(base):
+            spec = importlib.machinery.ModuleSpec(fullname, None, is_package=True)
+            spec.submodule_search_locations = [base]
+            return spec
+        if os.path.isfile(base + ".py"):
+            return importlib.util.spec_from_file_location(fullname, base + ".py")
+        return None
+
+
+#: Where the harness says the suite is, for :class:`_SuiteFinder`.
+SUITE_VARIABLE = "UPSTREAM_TESTS_SUITE"
+
+
 def install() -> None:
     """Apply the shims to shimmed modules when imported (and if already are)."""
     if not any(isinstance(f, _Finder) for f in sys.meta_path):
         sys.meta_path.insert(0, _Finder())
+    suite = os.environ.get(SUITE_VARIABLE)
+    # First: the installed package has a folder distributed/tests too (of TLS
+    # certificates), which the path finder would take for a namespace package.
+    if suite and not any(isinstance(f, _SuiteFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _SuiteFinder(suite))
     for name in SHIMS:
         if name in sys.modules:
             apply(sys.modules[name])
