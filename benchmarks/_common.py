@@ -14,6 +14,10 @@ import gc
 import json
 import math
 import os
+import subprocess
+import sys
+import tempfile
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, Union
@@ -133,6 +137,107 @@ def cluster(
         **worker_kwargs,
     ) as lc, Client(lc) as client:
         yield client
+
+
+#: Seconds for the processes of :func:`cluster_own_scheduler` to start, or to stop
+PROCESS_TIMEOUT = 120
+
+
+def inherit_env() -> dict[str, str]:
+    """The environment of a process of the cluster started from the command line:
+    it imports the tasks from this directory, and inherits this process' dask
+    config (``DASK_INTERNAL_INHERIT_CONFIG``, read when dask is imported)
+    """
+    env = dict(os.environ)
+    here = os.path.dirname(os.path.abspath(__file__))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [here, env.get("PYTHONPATH")]))
+    env["DASK_INTERNAL_INHERIT_CONFIG"] = dask.config.serialize(
+        dask.config.global_config
+    )
+    return env
+
+
+def wait_for_file(path: str, proc: subprocess.Popen, what: str) -> None:
+    """Wait until ``proc``, the ``what``, has written ``path``; fail if it exits
+    first
+    """
+    deadline = time.monotonic() + PROCESS_TIMEOUT
+    while not os.path.exists(path):
+        if proc.poll() is not None:
+            raise RuntimeError(f"The {what} exited with {proc.returncode}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"No {path} after {PROCESS_TIMEOUT} s")
+        time.sleep(0.05)
+
+
+def stop_process(proc: subprocess.Popen) -> None:
+    """SIGTERM, which the dask command lines handle by closing down; SIGKILL if
+    that takes too long
+    """
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=PROCESS_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@contextmanager
+def cluster_own_scheduler(
+    n_workers: int,
+    config: Mapping[str, Any] | None = None,
+    queuing: bool = False,
+) -> Iterator[Client]:
+    """Like :func:`cluster` with processes, but the scheduler runs in a process of
+    its own, so that its CPU time can be read apart from the client's: in a
+    LocalCluster, the scheduler and a synchronous client share one event loop, in
+    one thread.
+
+    The scheduler is ``python -m distributed.cli.dask_scheduler``; the workers,
+    ``python -m distributed.cli.dask_worker --nworkers N --nthreads 1`` (a nanny
+    and a process for each, as in LocalCluster), both without dashboard and with
+    this process' config, set with ``config`` and ``queuing`` as in
+    :func:`cluster`. Heartbeats and every other periodic callback stay on.
+    """
+    config = {**queuing_config(queuing), **(config or {})}
+    with dask.config.set(config), tempfile.TemporaryDirectory() as tmp:
+        env = inherit_env()
+        scheduler_file = os.path.join(tmp, "scheduler.json")
+        cli = [sys.executable, "-m"]
+        common = ["--no-dashboard", "--dashboard-address", ":0"]
+        common += ["--scheduler-file", scheduler_file]
+        procs: list[subprocess.Popen] = []
+        try:
+            procs.append(
+                subprocess.Popen(
+                    [*cli, "distributed.cli.dask_scheduler", "--host", "127.0.0.1"]
+                    + ["--port", "0", *common],
+                    env=env,
+                    cwd=tmp,
+                )
+            )
+            wait_for_file(scheduler_file, procs[0], "scheduler")
+            procs.append(
+                subprocess.Popen(
+                    [*cli, "distributed.cli.dask_worker", "--host", "127.0.0.1"]
+                    + ["--nworkers", str(n_workers), "--nthreads", "1", *common],
+                    env=env,
+                    cwd=tmp,
+                )
+            )
+            with Client(scheduler_file=scheduler_file) as client:
+                client.wait_for_workers(n_workers, timeout=PROCESS_TIMEOUT)
+                yield client
+        finally:
+            for proc in reversed(procs):
+                stop_process(proc)
+
+
+def scheduler_pid(client: Client) -> int:
+    """Process id of the scheduler"""
+    pid: int = client.run_on_scheduler(os.getpid)
+    return pid
 
 
 def worker_pids(client: Client) -> list[int]:

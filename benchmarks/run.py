@@ -122,7 +122,10 @@ WORKLOADS = [
         "cluster",
         (20_000, 2_000, 200),
         (5, 3, 1),
-        targets={"worker_cpu_us_per_task": CPU_RATIO},
+        targets={
+            "worker_cpu_us_per_task": CPU_RATIO,
+            "scheduler_cpu_us_per_task": CPU_RATIO,
+        },
     ),
     Workload(
         "transfer",
@@ -146,6 +149,15 @@ WORKLOADS = [
             "meter_flat_us": Target(2.0, strict=True),
             "meter_nested3_us": Target(2.0, strict=True),
         },
+    ),
+    # What one delivery of fine metrics with the heartbeat costs the scheduler:
+    # --size prefixes of 20 labels each, all changed. No target: docs/benchmarks.rst
+    # says what it comes to for a cluster
+    Workload(
+        "delivery",
+        (1_000, 1_000, 10),
+        (5, 3, 1),
+        fork_only=True,
     ),
     Workload(
         "memory",

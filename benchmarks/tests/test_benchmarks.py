@@ -17,6 +17,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import psutil
 import pytest
 
 import dask
@@ -28,7 +29,15 @@ BENCH = Path(__file__).resolve().parent.parent
 FIGURES = {
     "trivial": ({"tasks_per_s", "cpu_us_per_task"}, 200),
     "trivial-default": ({"tasks_per_s", "cpu_us_per_task"}, 200),
-    "cluster": ({"worker_cpu_us_per_task", "wall_s", "tasks_per_s"}, 200),
+    "cluster": (
+        {
+            "worker_cpu_us_per_task",
+            "scheduler_cpu_us_per_task",
+            "wall_s",
+            "tasks_per_s",
+        },
+        200,
+    ),
     "transfer": ({"worker_cpu_us_per_dep", "wall_s"}, 100),
     "spill": ({"worker_cpu_us_per_task", "wall_s", "spilled_fraction"}, 20),
     "micro": (
@@ -42,11 +51,17 @@ FIGURES = {
         },
         1000,
     ),
+    "delivery": (
+        {"deliver_us", "deliver_us_per_key", "collect_us", "delivery_bytes", "keys"},
+        10,
+    ),
     "memory": (
         {"rss_mib", "rss_growth_mib", "callbacks_growth", "ledgers_growth"},
         500,
     ),
 }
+#: Workloads whose scripts print ``{"applicable": false}`` in pristine
+FORK_ONLY = {"micro", "delivery"}
 #: Figures that may be zero or negative
 SIGNED = {"rss_growth_mib", "callbacks_growth", "ledgers_growth"}
 HAS_FINE_METRICS = hasattr(distributed.metrics, "context_meter")
@@ -83,7 +98,7 @@ def test_script(name: str, runner: ModuleType) -> None:
     expected, size = FIGURES[name]
     w = runner.BY_NAME[name]
     figures = run_script(w.script, size, *w.args)
-    if name == "micro" and not HAS_FINE_METRICS:
+    if name in FORK_ONLY and not HAS_FINE_METRICS:
         assert figures == {"applicable": False}
         return
     assert set(figures) == expected
@@ -99,6 +114,14 @@ def test_script(name: str, runner: ModuleType) -> None:
             assert value > 0, figure
     if name == "spill":
         assert figures["spilled_fraction"] <= 1
+    if name == "delivery":
+        # 20 labels for each of the --size prefixes, every one of them delivered
+        assert figures["keys"] == 20 * size
+        assert figures["deliver_us_per_key"] == pytest.approx(
+            figures["deliver_us"] / figures["keys"]
+        )
+        # A key and its value take a few dozen bytes
+        assert 20 * figures["keys"] < figures["delivery_bytes"] < 200 * figures["keys"]
     if name == "memory" and HAS_FINE_METRICS:
         assert isinstance(figures["callbacks_growth"], int)
         assert isinstance(figures["ledgers_growth"], int)
@@ -201,6 +224,33 @@ def test_cluster_queuing(common: ModuleType, queuing: bool) -> None:
     )
 
 
+def test_cluster_own_scheduler(common: ModuleType) -> None:
+    """The scheduler, the workers and the client run in three kinds of processes;
+    the config reaches the scheduler and the workers, whose heartbeats stay on;
+    the processes are gone afterwards
+    """
+    with common.cluster_own_scheduler(2, config={"test-benchmarks": 1}) as client:
+        scheduler = common.scheduler_pid(client)
+        workers = common.worker_pids(client)
+        assert client.submit(common.noop, 1).result() == 1
+        # Lambdas, which cloudpickle sends by value: the processes of the cluster
+        # cannot import this module
+        saturation = client.run_on_scheduler(
+            lambda dask_scheduler: dask_scheduler.WORKER_SATURATION
+        )
+        heartbeats = client.run(
+            lambda dask_worker: dask_worker.periodic_callbacks["heartbeat"].is_running()
+        )
+        config = client.run(dask.config.get, "test-benchmarks")
+        assert common.cpu_seconds([scheduler]) > 0
+    assert len(set(workers)) == 2
+    assert len({os.getpid(), scheduler, *workers}) == 4
+    assert saturation == float("inf")
+    assert list(heartbeats.values()) == [True, True]
+    assert list(config.values()) == [1, 1]
+    assert not psutil.pid_exists(scheduler)
+
+
 def get_worker_saturation(dask_scheduler: Any) -> float:
     saturation: float = dask_scheduler.WORKER_SATURATION
     return saturation
@@ -294,6 +344,46 @@ def test_runner_all(python: str, tmp_path: Path) -> None:
     doc = json.loads((tmp_path / "latest.json").read_text())
     assert list(doc["workloads"]) == list(FIGURES)
     assert all(not w["errors"] for w in doc["workloads"].values())
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="shell wrapper")
+def test_runner_cluster_and_delivery(
+    python: str, tmp_path: Path, runner: ModuleType
+) -> None:
+    """The scheduler's CPU has its target in the cluster workload; the delivery
+    workload runs in the fork only, and has no target
+    """
+    out = tmp_path / "out"
+    proc = run_runner(
+        *("--fork", python, "--pristine", python, "--tiny"),
+        *("--only", "cluster,delivery", "--rounds", "1", "--out", str(out)),
+    )
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads((out / "latest.json").read_text())
+    assert list(doc["workloads"]) == ["cluster", "delivery"]
+    cluster = doc["workloads"]["cluster"]
+    assert cluster["errors"] == []
+    rows = {r["figure"]: r for r in cluster["summary"]}
+    for figure in ("worker_cpu_us_per_task", "scheduler_cpu_us_per_task"):
+        assert rows[figure]["target"] == "ratio <= 1.02"
+        assert rows[figure]["met"] in (True, False)
+    assert runner.BY_NAME["cluster"].targets == {
+        "worker_cpu_us_per_task": runner.CPU_RATIO,
+        "scheduler_cpu_us_per_task": runner.CPU_RATIO,
+    }
+
+    delivery = doc["workloads"]["delivery"]
+    assert delivery["errors"] == []
+    assert list(delivery["runs"]) == ["fork"]
+    assert runner.BY_NAME["delivery"].fork_only
+    assert runner.BY_NAME["delivery"].targets == {}
+    rows = {r["figure"]: r for r in delivery["summary"]}
+    assert set(rows) == FIGURES["delivery"][0]
+    assert all(r["pristine"] is None and r["ratio"] is None for r in rows.values())
+    assert rows["keys"]["fork"]["median"] == 20 * runner.BY_NAME["delivery"].size(
+        "tiny"
+    )
+    assert "deliver_us_per_key" in proc.stdout
 
 
 def test_runner_bad_arguments(python: str, tmp_path: Path) -> None:
