@@ -657,3 +657,77 @@ async def test_flush_tolerates_a_failing_worker(c, s, a, b):
     with captured_logger("distributed.core"):
         fm = await c.get_fine_metrics()
     assert ("execute", "inc", "other", "seconds") in fm  # b's task
+
+
+def big_int():
+    context_meter.digest_metric("rows", 2**70, "count")
+    context_meter.digest_metric(None, 1, "count")
+    context_meter.digest_metric(("flag", True), 1, "count")
+
+
+@gen_cluster(client=True, nthreads=[("", 1)])
+async def test_metrics_msgpack_cannot_carry(c, s, a):
+    """An int too large for msgpack travels as a float, and labels that the scheduler
+    would reject (None, bool) as their str(); the heartbeat goes on
+    """
+    stop_heartbeats(a)
+    await c.submit(big_int, key="big-1")
+    await settle(a)
+    await a.heartbeat()
+    assert a.status == Status.running
+    m = s.cumulative_worker_metrics
+    assert m["execute", "big", "rows", "count"] == float(2**70)
+    assert m["execute", "big", "None", "count"] == 1
+    assert m["execute", "big", ("flag", "True"), "count"] == 1
+
+
+@gen_cluster(client=True)
+async def test_concurrent_heartbeat_and_flush(c, s, a, b):
+    """A flush while a heartbeat's delivery is in flight waits for it: one delivery
+    at a time, so that acknowledgements can't arrive out of order
+    """
+    stop_heartbeats(a, b)
+    await workload(c, a, b)
+    real = a.scheduler.heartbeat_worker
+    release = asyncio.Event()
+    in_flight = asyncio.Event()
+
+    async def slow_heartbeat(**kwargs):
+        in_flight.set()
+        await release.wait()
+        return await real(**kwargs)
+
+    a.scheduler.heartbeat_worker = slow_heartbeat
+    try:
+        hb = asyncio.create_task(a.heartbeat())
+        await in_flight.wait()
+        assert await c.submit(posting, 1, key="posting-2", workers=[a.address]) == 2
+        await settle(a)
+        flush = asyncio.create_task(c.get_fine_metrics())
+        await asyncio.sleep(0.2)
+        assert not flush.done()
+        release.set()
+        await hb
+        fm = await flush
+    finally:
+        del a.scheduler.heartbeat_worker
+    assert_equal_totals(
+        {k: v for k, v in fm.items() if k in worker_totals(a) or k in worker_totals(b)},
+        worker_totals(a, b),
+    )
+    await b.heartbeat()
+    await a.heartbeat()
+    assert_equal_totals(s.cumulative_worker_metrics, worker_totals(a, b))
+
+
+@gen_cluster(client=True, nthreads=[("", 1)])
+async def test_flush_with_non_canonical_address(c, s, a):
+    """A worker may give its address in another form than the scheduler's"""
+    stop_heartbeats(a)
+    await c.submit(posting, 1, key="posting-1")
+    await settle(a)
+    delivery = a._fine_metrics_sender.delivery()
+    other_form = a.address.replace("127.0.0.1", "localhost")
+    assert other_form != a.address
+    assert s.handle_worker_fine_metrics(worker=other_form, delivery=delivery) == 1
+    assert s.cumulative_worker_metrics["execute", "posting", "my-count", "count"] == 1

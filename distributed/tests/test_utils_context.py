@@ -270,3 +270,40 @@ def test_thread_root_runs_once():
     with pytest.raises(RuntimeError, match="only once"):
         root(1)
     assert context_meter.in_thread(root) is root
+
+
+@gen_test()
+async def test_block_not_reduced_by_work_it_does_not_wait_for():
+    """An asyncio task or a callback started inside a block, under a root, inherits
+    the block; what it digests does not come out of the block
+    """
+    root = LoopRoot()
+    out = []
+    started = asyncio.Event()
+
+    async def background():
+        context_meter.digest_metric("background", 100.0, "seconds")
+        with context_meter.meter("background-block"):
+            pass
+        started.set()
+
+    async def main():
+        with context_meter.add_callback(lambda *a: out.append(a)):
+            with context_meter.meter("network", floor=False):
+                task = asyncio.create_task(background())
+                asyncio.get_running_loop().call_soon(
+                    context_meter.digest_metric, "callback", 100.0, "seconds"
+                )
+                await started.wait()
+                await asyncio.sleep(0)
+                context_meter.digest_metric("own", 0.001, "seconds")
+        await task
+
+    ctx = context_meter.new_context(root=root)
+    task = ctx.run(asyncio.create_task, main())
+    root.task = task
+    await task
+    network = [v for label, v, _ in out if label == "network"]
+    assert len(network) == 1
+    # Only "own" came out of it
+    assert network[0] > -0.01

@@ -1093,9 +1093,10 @@ async def test_execute_task_meters_its_own_time(c, s, a, func):
     assert m["my-sleep", "seconds"] >= 0.2
     # All the CPU time of the task is the busy loop's; so is all its non-CPU time
     # but the sleep (on a busy machine, the loop takes more wall time than CPU time)
-    assert m["thread-cpu", "seconds"] == pytest.approx(busy_cpu, abs=0.05)
+    # (0.1 s of slack, for a busy machine: waiting for the GIL around the loop)
+    assert m["thread-cpu", "seconds"] == pytest.approx(busy_cpu, abs=0.1)
     assert m["thread-noncpu", "seconds"] == pytest.approx(
-        busy_wall - busy_cpu, abs=0.05
+        busy_wall - busy_cpu, abs=0.1
     )
     # Additive: the thread's phase is broken down exactly
     [startstop] = a.state.tasks["f-1"].startstops
