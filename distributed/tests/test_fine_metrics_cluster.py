@@ -142,6 +142,22 @@ class FailingRPC:
         raise self.exc("injected failure")
 
 
+class PausedRPC:
+    """Stands in for a method of the worker's rpc to the scheduler: the call waits
+    until ``release`` is set; ``in_flight`` is set once it started
+    """
+
+    def __init__(self, real):
+        self.real = real
+        self.in_flight = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def __call__(self, **kwargs):
+        self.in_flight.set()
+        await self.release.wait()
+        return await self.real(**kwargs)
+
+
 @pytest.mark.parametrize(
     "apply_first,exc",
     [(False, OSError), (True, OSError), (False, asyncio.TimeoutError)],
@@ -178,22 +194,13 @@ async def test_failed_delivery_is_merged_into_the_next(c, s, a, b, apply_first, 
 async def test_digests_during_delivery_go_with_the_next(c, s, a, b):
     stop_heartbeats(a, b)
     await workload(c, a, b)
-    real = a.scheduler.heartbeat_worker
-    in_flight = asyncio.Event()
-    release = asyncio.Event()
-
-    async def slow_heartbeat(**kwargs):
-        in_flight.set()
-        await release.wait()
-        return await real(**kwargs)
-
-    a.scheduler.heartbeat_worker = slow_heartbeat
+    a.scheduler.heartbeat_worker = rpc = PausedRPC(a.scheduler.heartbeat_worker)
     try:
         hb = asyncio.create_task(a.heartbeat())
-        await in_flight.wait()
+        await rpc.in_flight.wait()
         # Digested while the delivery is in flight
         assert await c.submit(posting, 5, key="posting-2", workers=[a.address]) == 6
-        release.set()
+        rpc.release.set()
         await hb
     finally:
         del a.scheduler.heartbeat_worker
@@ -688,25 +695,16 @@ async def test_concurrent_heartbeat_and_flush(c, s, a, b):
     """
     stop_heartbeats(a, b)
     await workload(c, a, b)
-    real = a.scheduler.heartbeat_worker
-    release = asyncio.Event()
-    in_flight = asyncio.Event()
-
-    async def slow_heartbeat(**kwargs):
-        in_flight.set()
-        await release.wait()
-        return await real(**kwargs)
-
-    a.scheduler.heartbeat_worker = slow_heartbeat
+    a.scheduler.heartbeat_worker = rpc = PausedRPC(a.scheduler.heartbeat_worker)
     try:
         hb = asyncio.create_task(a.heartbeat())
-        await in_flight.wait()
+        await rpc.in_flight.wait()
         assert await c.submit(posting, 1, key="posting-2", workers=[a.address]) == 2
         await settle(a)
         flush = asyncio.create_task(c.get_fine_metrics())
         await asyncio.sleep(0.2)
         assert not flush.done()
-        release.set()
+        rpc.release.set()
         await hb
         fm = await flush
     finally:
