@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument(
         "--import-mode", choices=("prepend", "importlib"), default="prepend"
     )
-    run.add_argument("modules", nargs="+", help="paths within the suite")
+    run.add_argument("modules", nargs="+", help="paths (or test ids) in the suite")
     summ = sub.add_parser("summary", help="summarize a run's report again")
     summ.add_argument("report", type=Path, help="the run's report.json")
     summ.add_argument("--expected", type=Path, default=EXPECTED)

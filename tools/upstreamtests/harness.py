@@ -73,7 +73,8 @@ def inspect(python: str) -> dict[str, str]:
         "'package': os.path.dirname(distributed.__file__), 'prefix': sys.prefix,"
         "'version': distributed.__version__}))"
     )
-    proc = subprocess.run([python, "-c", code], capture_output=True, text=True)
+    # -I: not from the current folder (a checkout has a folder "distributed").
+    proc = subprocess.run([python, "-I", "-c", code], capture_output=True, text=True)
     if proc.returncode:
         raise HarnessError(f"{python} cannot import distributed:\n{proc.stderr}")
     info: dict[str, str] = json.loads(proc.stdout)
@@ -202,7 +203,9 @@ class Run:
         return self.out / "pytest.log"
 
     def command(self) -> list[str]:
-        missing = [m for m in self.modules if not (self.suite / m).exists()]
+        # A module may be given as a test id too (PATH::TEST).
+        paths = [m.split("::", 1)[0] for m in self.modules]
+        missing = [p for p in paths if not (self.suite / p).exists()]
         if missing:
             raise HarnessError(f"not in the suite: {' '.join(missing)}")
         return [
