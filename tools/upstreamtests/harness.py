@@ -263,12 +263,16 @@ class Run:
             [str(site), str(TOOLS), *filter(None, [env.get("PYTHONPATH")])]
         )
         env[SUITE_VARIABLE] = str(self.suite)
+        # As in an activated environment: some tests run its scripts (``dask``).
+        env["PATH"] = os.pathsep.join(
+            [os.path.dirname(self.python), *filter(None, [env.get("PATH")])]
+        )
         cmd = self.command()
         for warning in busy_ports():
             print(warning)
         print("+", " ".join(cmd), flush=True)
         start = time.monotonic()
-        with self.log.open("w") as log:
+        with self.log.open("w", buffering=1) as log:  # whole lines, if we die
             proc = subprocess.Popen(
                 cmd,
                 cwd=work,
