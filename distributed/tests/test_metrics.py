@@ -868,13 +868,6 @@ def test_delayed_metrics_ledger_add_phase(nested, expect):
     assert ledger.seconds == 10 + nested + expect
 
 
-def _thread_root(nested=0.0, nested_cpu=0.0):
-    root = metrics.ThreadRoot(lambda: None, Root(), owned=True)
-    root.nested = nested
-    root.nested_cpu = nested_cpu
-    return root
-
-
 @pytest.mark.parametrize(
     "nested,nested_cpu,expect_cpu,expect_noncpu",
     [
@@ -898,7 +891,7 @@ def test_delayed_metrics_ledger_add_thread_phase(
 ):
     ledger = DelayedMetricsLedger()
     ledger("n", 7, "count")  # Not subtracted
-    ledger.add_thread_phase(5, 3, _thread_root(nested, nested_cpu))
+    ledger.add_thread_phase(5, 3, nested, nested_cpu)
     assert ledger.metrics[-2:] == [
         ("thread-cpu", expect_cpu, "seconds"),
         ("thread-noncpu", expect_noncpu, "seconds"),
@@ -911,7 +904,7 @@ def test_delayed_metrics_ledger_add_thread_phase_cpu_exceeds_wall():
     as long as the wall time
     """
     ledger = DelayedMetricsLedger()
-    ledger.add_thread_phase(1.0, 1.5, _thread_root())
+    ledger.add_thread_phase(1.0, 1.5, 0.0, 0.0)
     assert ledger.metrics == [
         ("thread-cpu", 1.0, "seconds"),
         ("thread-noncpu", 0.0, "seconds"),
@@ -924,7 +917,7 @@ def test_delayed_metrics_ledger_phases_finalize():
     ledger("a", 1.5, "seconds")
     ledger("n", 3, "count")
     ledger.add_phase("deserialize", 2, ledger.seconds)
-    ledger.add_thread_phase(5, 4, _thread_root())
+    ledger.add_thread_phase(5, 4, 0.0, 0.0)
     clock.t = 110
     assert ledger.finalize() == [
         ("a", 1.5, "seconds"),

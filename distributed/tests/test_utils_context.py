@@ -264,6 +264,37 @@ async def test_thread_root_not_current_elsewhere():
     assert thread_root.nested == 0
 
 
+@pytest.mark.parametrize("owned", [True, False])
+def test_thread_root_in_thread_root(owned):
+    """A function run under a thread root hands work to a thread of its own and
+    waits for it, with no block open: the seconds metered there reach the outer
+    root (add_waited), not its CPU time, if the outer function was its own work
+    """
+    outer = ThreadRoot(lambda f: f(), LoopRoot(), owned=owned)
+
+    def inner():
+        with context_meter.meter("x"):
+            time.sleep(0.01)
+
+    def wait_for_inner():
+        assert metrics.current_root() is outer
+        with ThreadPoolExecutor(1) as ex:
+            func = context_meter.in_thread(inner)
+            assert isinstance(func, ThreadRoot)
+            assert func.owned is owned
+            ex.submit(contextvars.copy_context().run, func).result()
+
+    out = []
+    ctx = context_meter.new_context(lambda *args: out.append(args), root=outer)
+    with ThreadPoolExecutor(1) as ex:
+        ex.submit(ctx.run, outer, wait_for_inner).result()
+    [(label, value, unit)] = out
+    assert label == "x"
+    assert value >= 0.01
+    assert outer.nested == (value if owned else 0)
+    assert outer.nested_cpu == 0
+
+
 def test_thread_root_runs_once():
     root = ThreadRoot(lambda x: x + 1, LoopRoot(), owned=True)
     assert root(1) == 2

@@ -177,6 +177,46 @@ async def test_execute_thread_cpu(c, s, a):
     assert m["thread-noncpu", "seconds"] >= 0.09
 
 
+def wait_for_own_thread():
+    """Hand work to a thread of the task's own and wait for it, with no meter block
+    open around it
+    """
+
+    def sleep_metered():
+        with context_meter.meter("my-sleep"):
+            time.sleep(0.2)
+        # Seconds measured by hand
+        t0 = time.perf_counter()
+        time.sleep(0.1)
+        context_meter.digest_metric("my-bare", time.perf_counter() - t0, "seconds")
+
+    with ThreadPoolExecutor(1) as ex:
+        func = context_meter.in_thread(sleep_metered)
+        ex.submit(contextvars.copy_context().run, func).result()
+
+
+@gen_cluster(client=True, nthreads=[("", 1)])
+async def test_execute_task_waits_for_its_own_thread(c, s, a):
+    """What a task meters in a thread that it waits for is the task's, and comes out
+    of the time that the task's thread spent waiting for it, once
+    """
+    await c.submit(wait_for_own_thread, key="f-1")
+    m = execute_digests(a, "f")
+    assert m["my-sleep", "seconds"] >= 0.2
+    assert m["my-bare", "seconds"] >= 0.1
+    # Not counted again as the task's thread waiting
+    assert m["thread-noncpu", "seconds"] < 0.1
+    [startstop] = a.state.tasks["f-1"].startstops
+    compute = startstop["stop"] - startstop["start"]
+    seconds = (
+        m["thread-cpu", "seconds"]
+        + m["thread-noncpu", "seconds"]
+        + m["my-sleep", "seconds"]
+        + m["my-bare", "seconds"]
+    )
+    assert seconds == pytest.approx(compute, abs=1e-6)
+
+
 @gen_cluster(client=True, nthreads=[("", 1)])
 async def test_execute_async_task(c, s, a):
     async def f():
