@@ -8,7 +8,6 @@ then they fail, so that CI cannot silently lose them.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import time
@@ -18,13 +17,15 @@ import urllib.request
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import pytest
 import yaml
 
 from distributed import Client, LocalCluster, wait
 from distributed.metrics import context_meter
+from distributed.tests import utils_ci
+from distributed.tests.utils_ci import skip_or_fail
 from distributed.utils import open_port
 
 PROMETHEUS = "/usr/bin/prometheus"
@@ -51,27 +52,11 @@ PRISTINE_FINDINGS = {
 SECONDS_REL = 1e-9
 
 
-def on_ci() -> bool:
-    return os.environ.get("CI", "").strip().lower() in {"true", "1", "yes"}
-
-
-def skip_or_fail(reason: str) -> NoReturn:
-    """Skip the test; but fail it on CI (``CI=true``), where what it needs must be
-    installed
-    """
-    if on_ci():
-        pytest.fail(f"{reason}; CI=true, so this fails instead of skipping")
-    pytest.skip(reason, allow_module_level=True)
-
-
 def require_executable(path: str) -> str:
     """``path``, if it is an executable; otherwise skip the test (fail it on CI)"""
-    if not os.access(path, os.X_OK):
-        skip_or_fail(
-            f"{path} is not installed: tools/install-prometheus.sh installs "
-            "Debian's prometheus package"
-        )
-    return path
+    return utils_ci.require_executable(
+        path, "tools/install-prometheus.sh installs Debian's prometheus package"
+    )
 
 
 try:

@@ -1,0 +1,54 @@
+"""What the tests that need a real component (a Prometheus server, a browser) do
+when it is missing: skip with a clear reason, except on CI.
+
+CI (``CI=true``, as ``.ci/run`` runs) installs every such component, so there a
+missing one fails the test instead: CI cannot silently lose the tests that need it.
+"""
+from __future__ import annotations
+
+import os
+from typing import NoReturn
+
+import pytest
+
+
+def on_ci() -> bool:
+    """Whether the tests run on CI: the environment variable ``CI`` is ``true``
+    (or ``1``, ``yes``)
+    """
+    return os.environ.get("CI", "").strip().lower() in {"true", "1", "yes"}
+
+
+def skip_or_fail(reason: str) -> NoReturn:
+    """Skip the test (or the module, at import); but fail it on CI, where what it
+    needs must be installed
+
+    Parameters
+    ----------
+    reason : str
+        What is missing, and how to install it
+    """
+    if on_ci():
+        pytest.fail(f"{reason}; CI=true, so this fails instead of skipping")
+    pytest.skip(reason, allow_module_level=True)
+
+
+def require_executable(path: str, install_hint: str) -> str:
+    """``path``, if it is an executable file; otherwise skip the test (fail it on
+    CI)
+
+    Parameters
+    ----------
+    path : str
+        The absolute path of the executable
+    install_hint : str
+        How to install it, for the reason of the skip
+
+    Returns
+    -------
+    str
+        ``path``
+    """
+    if not os.access(path, os.X_OK):
+        skip_or_fail(f"{path} is not installed: {install_hint}")
+    return path
