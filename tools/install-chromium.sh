@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Install Debian's headless-capable Chromium and its ChromeDriver, for the tests
+# that open dashboard pages and performance_report files in a real browser
+# (distributed/tests/utils_browser.py, distributed/tests/test_dashboard_browser.py).
+#
+# Idempotent: apt is only called if /usr/bin/chromium or /usr/bin/chromedriver is
+# missing. Recommended packages are left out. Selenium is then given the driver's
+# path, so that it never tries to download one (there is no internet here).
+#
+# Usage: tools/install-chromium.sh   (as root, or with sudo available)
+set -euo pipefail
+
+CHROMIUM=/usr/bin/chromium
+CHROMEDRIVER=/usr/bin/chromedriver
+
+if [[ -x "$CHROMIUM" && -x "$CHROMEDRIVER" ]]; then
+    echo "chromium and chromedriver are already installed"
+else
+    if [[ "$(id -u)" -eq 0 ]]; then
+        SUDO=()
+    elif command -v sudo >/dev/null 2>&1; then
+        SUDO=(sudo)
+    else
+        echo "error: installing chromium needs root (or sudo)" >&2
+        exit 1
+    fi
+    echo "installing Debian's chromium and chromium-driver"
+    "${SUDO[@]}" apt-get update
+    "${SUDO[@]}" env DEBIAN_FRONTEND=noninteractive \
+        apt-get install -y --no-install-recommends chromium chromium-driver
+    for binary in "$CHROMIUM" "$CHROMEDRIVER"; do
+        if [[ ! -x "$binary" ]]; then
+            echo "error: $binary is missing after installing chromium" >&2
+            exit 1
+        fi
+    done
+fi
+
+# Both print one line; chromium's D-Bus complaints on stderr are noise
+"$CHROMIUM" --version 2>/dev/null | head -n 1
+"$CHROMEDRIVER" --version 2>&1 | head -n 1
