@@ -2,13 +2,14 @@
 
 Upstream's own conftest.py is not in its sdist; this one provides what the
 fork's tests need from it: the fixtures of ``distributed.utils_test`` and the
-``--runslow`` option that selects tests marked ``slow``.
+``--runslow`` option that selects tests marked ``slow``; and the fork's own
+fixtures: ``browser`` of ``distributed.tests.utils_browser``.
 """
 from __future__ import annotations
 
 import pytest
 
-pytest_plugins = ["distributed.utils_test"]
+pytest_plugins = ["distributed.utils_test", "distributed.tests.utils_browser"]
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
