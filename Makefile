@@ -12,8 +12,8 @@ TREE_INPUTS := $(shell find patches distributed tools/forktools conftest.py pypr
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
 
-.PHONY: tree refresh install test test-upstream test-upstream-pristine demo lint \
-	bench bench-quick bench-instructions clean
+.PHONY: tree refresh install test test-browser test-upstream test-upstream-pristine \
+	demo lint bench bench-quick bench-instructions clean
 
 tree:
 	$(FORK) tree
@@ -42,6 +42,11 @@ TREE_TESTS = $(shell cd build/tree && find distributed -type d -name tests -not 
 test: install
 	cd build/tree && $(PY) -m pytest $(TREE_TESTS) $(PYTEST_ARGS)
 	$(PY) -m pytest tools/tests benchmarks/tests $(PYTEST_ARGS)
+
+# The tests marked `browser` (those that use the fixture `browser`), slow ones
+# included; they need tools/install-chromium.sh. See docs/browser_tests.rst.
+test-browser: install
+	cd build/tree && $(PY) -m pytest $(TREE_TESTS) --runslow -m browser $(PYTEST_ARGS)
 
 demo: install
 	$(PY) -m distributed.diagnostics.fine_metrics

@@ -35,6 +35,9 @@ from distributed.tests.utils_browser import (
 )
 from distributed.tests.utils_ci import skip_or_fail
 
+# The tests without a browser too: they test the browser's helpers
+pytestmark = pytest.mark.browser
+
 try:
     import bokeh  # noqa: F401
 except ModuleNotFoundError:

@@ -1,7 +1,8 @@
 """Testing dashboard pages and ``performance_report`` files in a real browser:
 Debian's headless Chromium, driven by Selenium.
 
-A test takes the ``browser`` fixture (registered by the root ``conftest.py``), opens
+A test takes the ``browser`` fixture (registered by the root ``conftest.py``; it
+marks the test ``browser``: ``make test-browser`` runs those), opens
 a page with :func:`open_bokeh_page` (or a report file with :func:`open_html_file`),
 reads back what bokeh holds with :func:`bokeh_sources`, :func:`bokeh_model`,
 :func:`renderer_sources` or :func:`tab_titles`, checks :func:`console_errors`, and
@@ -144,6 +145,21 @@ def browser() -> Iterator[WebDriver]:
     """A headless Chromium WebDriver for one test (see :func:`chromium_driver`)"""
     with chromium_driver() as driver:
         yield driver
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "browser: needs a real browser (tools/install-chromium.sh). Automatically "
+        "applied to all tests that use the 'browser' fixture.",
+    )
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # As upstream's conftest marks the tests that use its 'ws' fixture
+    for item in items:
+        if "browser" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.browser)
 
 
 # The console
