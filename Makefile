@@ -105,7 +105,11 @@ UPSTREAM_MODULES ?= distributed/tests/test_worker.py \
 	distributed/tests/test_steal.py distributed/tests/test_resources.py \
 	distributed/tests/test_utils.py distributed/tests/test_core.py \
 	distributed/protocol/tests distributed/http/worker/tests \
-	distributed/dashboard/tests/test_worker_bokeh.py
+	distributed/dashboard/tests/test_worker_bokeh.py \
+	distributed/dashboard/tests/test_scheduler_bokeh.py \
+	distributed/dashboard/tests/test_bokeh.py \
+	distributed/http/scheduler/tests/test_scheduler_http.py \
+	distributed/tests/test_client.py::test_performance_report
 UPSTREAM_ARGS ?=
 UPSTREAM_REQUIREMENTS := continuous_integration/requirements-upstream-tests.txt
 UPSTREAM_FORK := build/upstream/fork
