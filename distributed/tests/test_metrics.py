@@ -899,6 +899,30 @@ def test_delayed_metrics_ledger_add_thread_phase(
     assert ledger.seconds == expect_cpu + expect_noncpu
 
 
+@pytest.mark.parametrize(
+    "nested,nested_cpu,waited,expect_cpu,expect_noncpu",
+    [
+        # wall 5, of which 3 CPU time: what other threads did while this one waited
+        # comes out of the rest only
+        (0, 0, 1, 3, 1),
+        (0, 0, 2, 3, 0),
+        # e.g. several threads at once: never out of the CPU time
+        (0, 0, 7, 3, 0),
+        (1, 1, 1, 2, 1),
+        (1, 0, 1, 3, 0),
+    ],
+)
+def test_delayed_metrics_ledger_add_thread_phase_waited(
+    nested, nested_cpu, waited, expect_cpu, expect_noncpu
+):
+    ledger = DelayedMetricsLedger()
+    ledger.add_thread_phase(5, 3, nested, nested_cpu, waited)
+    assert ledger.metrics == [
+        ("thread-cpu", expect_cpu, "seconds"),
+        ("thread-noncpu", expect_noncpu, "seconds"),
+    ]
+
+
 def test_delayed_metrics_ledger_add_thread_phase_cpu_exceeds_wall():
     """The two clocks may disagree slightly; noncpu is floored, and the phase stays
     as long as the wall time

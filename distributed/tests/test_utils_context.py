@@ -291,8 +291,10 @@ def test_thread_root_in_thread_root(owned):
     [(label, value, unit)] = out
     assert label == "x"
     assert value >= 0.01
-    assert outer.nested == (value if owned else 0)
+    # Not the outer thread's own: they took none of its CPU time
+    assert outer.nested == 0
     assert outer.nested_cpu == 0
+    assert outer.waited == (value if owned else 0)
 
 
 def test_thread_root_runs_once():

@@ -31,7 +31,7 @@ from distributed import (
 )
 from distributed.compatibility import PeriodicCallback
 from distributed.core import Status
-from distributed.metrics import _callbacks_var, context_meter
+from distributed.metrics import _callbacks_var, context_meter, current_root
 from distributed.spill import SpillBuffer
 from distributed.tests.test_worker_state_machine_metrics import recording
 from distributed.utils import sync
@@ -193,6 +193,61 @@ def wait_for_own_thread():
     with ThreadPoolExecutor(1) as ex:
         func = context_meter.in_thread(sleep_metered)
         ex.submit(contextvars.copy_context().run, func).result()
+
+
+def burn_then_wait_for_threads():
+    """Burn CPU, then wait for four threads at once, which meter their own time"""
+    busy(0.2)
+
+    def sleep_metered():
+        with context_meter.meter("my-sleep"):
+            time.sleep(0.2)
+
+    with ThreadPoolExecutor(4) as ex:
+        futures = [
+            ex.submit(contextvars.copy_context().run, context_meter.in_thread(f))
+            for f in [sleep_metered] * 4
+        ]
+        for future in futures:
+            future.result()
+
+
+@gen_cluster(client=True, nthreads=[("", 1)])
+async def test_execute_task_waits_for_threads_at_once(c, s, a):
+    """What a task's threads metered while it waited for all of them at once, more
+    than the time it waited, comes out of its waiting only, not its CPU time
+    """
+    await c.submit(burn_then_wait_for_threads, key="f-1")
+    m = execute_digests(a, "f")
+    assert m["my-sleep", "seconds"] >= 0.8
+    assert m["thread-cpu", "seconds"] >= 0.15
+    assert m["thread-noncpu", "seconds"] < 0.1
+
+
+seen_roots: list = []
+
+
+def record_root():
+    root = current_root()
+    seen_roots.append((root, root.is_current(), root.wants_cpu))
+
+
+@gen_cluster(client=True, nthreads=[("", 1)])
+async def test_execute_recorder_is_the_root_of_the_thread(c, s, a):
+    """In the task's thread, the instruction's recorder is the root, current, and
+    asks blocks for their CPU time; not once the task is done
+    """
+    await c.submit(record_root, key="f-1")
+    try:
+        [(root, current, wants_cpu)] = seen_roots
+    finally:
+        seen_roots.clear()  # Don't keep the recorder alive
+    assert isinstance(root, InstructionMetricsRecorder)
+    assert current is True
+    assert wants_cpu is True
+    assert root.executor_thread is None
+    assert root.wants_cpu is False
+    assert root.metrics is None  # Finalized
 
 
 @gen_cluster(client=True, nthreads=[("", 1)])
