@@ -10,7 +10,11 @@ component's own helpers.
 from __future__ import annotations
 
 import json
+import math
+import os
 import re
+import subprocess
+import sys
 from collections import defaultdict
 from collections.abc import Hashable, Mapping
 from typing import Any
@@ -18,20 +22,25 @@ from typing import Any
 import pytest
 
 pytest.importorskip("bokeh")
+from bokeh.core.validation import check_integrity
 from tornado.httpclient import AsyncHTTPClient
 
-from distributed import performance_report
+from distributed import performance_report, wait
 from distributed.dashboard.components.scheduler import (
+    FINE_METRICS_ACTIVITY_COLORS,
     FINE_METRICS_COLORS,
     FINE_METRICS_OTHER_PREFIXES,
+    FINE_METRICS_PALETTE,
     FINE_METRICS_SPILL_LABELS,
     FineMetricsBreakdown,
     fine_metrics_color,
 )
 from distributed.metrics import context_meter
-from distributed.utils_test import async_poll_for, gen_cluster, inc
+from distributed.scheduler import Scheduler
+from distributed.utils_test import async_poll_for, captured_logger, gen_cluster, inc
 
 ACTIVITIES = ["execute", "gather-dep", "get-data", "memory-monitor"]
+UNITS = ["seconds", "bytes", "count"]
 
 SPILL = {
     "worker_kwargs": {"memory_limit": "1 GiB"},
@@ -54,11 +63,23 @@ def text(label: Hashable) -> str:
     return str(label)
 
 
+def drawable(value: Any) -> bool:
+    """The values that the plots show: finite floats (ints included) above zero"""
+    if not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value) and value > 0
+    except OverflowError:  # an int too large for a float
+        return False
+
+
 def execute_expected(store: Mapping, unit: str) -> dict[tuple[str, str], float]:
-    """{(prefix, label): value} of execute in one unit, zeros left out"""
+    """{(prefix, label): value} of execute in one unit, the values not drawn left
+    out
+    """
     out: dict[tuple[str, str], float] = defaultdict(int)
     for key, value in store.items():
-        if key[0] == "execute" and key[3] == unit and value:
+        if key[0] == "execute" and key[3] == unit and drawable(value):
             out[key[1], text(key[2])] += value
     return dict(out)
 
@@ -67,9 +88,21 @@ def activity_expected(store: Mapping, activity: str) -> dict[tuple[str, str], fl
     """{(label, unit): value} of an activity, added up over the task prefixes"""
     out: dict[tuple[str, str], float] = defaultdict(int)
     for key, value in store.items():
-        if key[0] == activity and value:
+        if key[0] == activity and drawable(value):
             out[text(key[-2]), key[-1]] += value
     return dict(out)
+
+
+def other_bar(store: Mapping) -> str:
+    """The name of the "(other)" bar: the first of (other), (other 2), ... that no
+    task prefix has
+    """
+    prefixes = {k[1] for k, v in store.items() if k[0] == "execute" and drawable(v)}
+    name, n = FINE_METRICS_OTHER_PREFIXES, 1
+    while name in prefixes:
+        n += 1
+        name = f"(other {n})"
+    return name
 
 
 def approx(expect: Mapping) -> Any:
@@ -101,6 +134,7 @@ def assert_stacked(data: Mapping[str, list], y: str) -> None:
     assert len(lengths) == 1
     totals: dict[str, float] = defaultdict(int)
     for name, value in zip(data[y], data["value"]):
+        assert value > 0
         totals[name] += value
     end: dict[str, float] = {}
     for i, name in enumerate(data[y]):
@@ -119,29 +153,38 @@ def assert_stacked(data: Mapping[str, list], y: str) -> None:
 
 
 class Breakdown:
-    """What the checks read: the data of the sources by name, and the factors of the
-    execute plots by unit, from a component or from a report's document
+    """What the checks read: the data of the sources by name, the factors of the
+    execute plots by unit and the note on the units left out, from a component or
+    from a report's document
     """
 
     def __init__(
         self,
         sources: Mapping[str, Mapping[str, list]],
         factors: Mapping[str, list[str]],
+        note: str,
         max_prefixes: int = 20,
+        max_units: int = 8,
     ):
         self.sources = sources
         self.factors = factors
+        self.note = note
         self.max_prefixes = max_prefixes
+        self.max_units = max_units
 
     @classmethod
     def of(cls, fm: FineMetricsBreakdown) -> Breakdown:
         for unit, fig in fm.execute_plots.items():
             assert fig.name == f"fine_metrics_execute_{unit}_plot"
             assert fm.execute_sources[unit].name == f"fine_metrics_execute_{unit}"
+        assert fm.units_note.name == "fine_metrics_execute_note"
+        assert fm.units_note.visible == bool(fm.units_note.text)
         return cls(
             {source.name: source.data for source in all_sources(fm)},
             {u: list(fig.y_range.factors) for u, fig in fm.execute_plots.items()},
+            fm.units_note.text,
             fm.max_prefixes,
+            fm.max_units,
         )
 
     def execute(self) -> dict[str, Mapping[str, list]]:
@@ -153,17 +196,32 @@ class Breakdown:
         }
 
 
+def assert_units(fm: Breakdown, store: Mapping) -> None:
+    """A tab for seconds, bytes and count, and for the units that tasks post, at
+    most max_units of them; the others named in the note
+    """
+    units = {k[3] for k, v in store.items() if k[0] == "execute" and drawable(v)}
+    tabs = set(fm.execute())
+    assert set(UNITS) <= tabs
+    assert len(tabs - set(UNITS)) <= fm.max_units
+    left_out = units - tabs
+    if left_out:
+        assert len(tabs - set(UNITS)) == fm.max_units
+        assert fm.note.startswith(f"Not shown: {len(left_out)} more unit")
+    else:
+        assert fm.note == ""
+
+
 def assert_execute(
     fm: Breakdown, store: Mapping, prefixes: set[str] | None = None
 ) -> None:
-    """Every unit of execute holds the store's values, prefixes largest first,
-    beyond max_prefixes the rest added up in "(other)"
+    """Every unit of execute holds the store's values, prefixes largest first, in
+    at most max_prefixes bars: with more prefixes, the max_prefixes - 1 largest and
+    "(other)", the rest added up
     """
-    units = {key[3] for key in store if key[0] == "execute" and store[key]}
-    execute = fm.execute()
-    assert units <= set(execute)
-    assert {"seconds", "bytes", "count"} <= set(execute)
-    for unit, data in execute.items():
+    assert_units(fm, store)
+    other = other_bar(store)
+    for unit, data in fm.execute().items():
         assert_stacked(data, "prefix")
         expect = execute_expected(store, unit)
         if prefixes:
@@ -173,12 +231,13 @@ def assert_execute(
             totals[prefix] += value
         order = sorted(totals, key=lambda p: (-totals[p], p))
         shown = bars(data, "prefix")
-        if len(order) > fm.max_prefixes + 1:
-            assert shown == order[: fm.max_prefixes] + [FINE_METRICS_OTHER_PREFIXES]
+        assert len(shown) <= fm.max_prefixes
+        if len(order) > fm.max_prefixes:
+            assert shown == order[: fm.max_prefixes - 1] + [other]
             rest: dict[tuple[str, str], float] = defaultdict(int)
             for (prefix, label), value in expect.items():
                 if prefix not in shown:
-                    rest[FINE_METRICS_OTHER_PREFIXES, label] += value
+                    rest[other, label] += value
             expect = {k: v for k, v in expect.items() if k[0] in shown}
             expect.update(rest)
         else:
@@ -186,6 +245,7 @@ def assert_execute(
         assert segments(data, "prefix") == approx(expect)
         # The largest on top: categorical factors go from the bottom up
         assert fm.factors[unit] == shown[::-1]
+        assert len(set(fm.factors[unit])) == len(fm.factors[unit])
 
 
 def assert_activities(data: Mapping[str, list], store: Mapping) -> None:
@@ -195,6 +255,7 @@ def assert_activities(data: Mapping[str, list], store: Mapping) -> None:
         for a in ACTIVITIES
     }
     assert dict(zip(data["activity"], data["seconds"])) == approx(expect)
+    assert data["color"] == [FINE_METRICS_ACTIVITY_COLORS[a] for a in ACTIVITIES]
     total = sum(expect.values())
     if total:
         assert sum(data["share"]) == pytest.approx(100)
@@ -240,12 +301,19 @@ def assert_breakdown(
 ) -> None:
     """All the sources hold what the store says"""
     if isinstance(fm, FineMetricsBreakdown):
+        assert_valid(fm)
         fm = Breakdown.of(fm)
     assert_execute(fm, store, prefixes)
     assert_activities(fm.sources["fine_metrics_activities"], store)
     assert_labels(fm.sources["fine_metrics_gather_dep"], store, "gather-dep")
     assert_labels(fm.sources["fine_metrics_get_data"], store, "get-data")
     assert_spill(fm, store)
+
+
+def assert_valid(fm: FineMetricsBreakdown) -> None:
+    """Bokeh's own checks of the document pass (e.g. no duplicate factors)"""
+    issues = check_integrity(list(fm.root.references()))
+    assert not issues.error, issues.error
 
 
 def all_sources(fm: FineMetricsBreakdown) -> list[Any]:
@@ -292,9 +360,12 @@ async def flush(c: Any, *workers: Any) -> None:
     await c.get_fine_metrics(flush=True)
 
 
-async def spilling_workload(c: Any, a: Any, b: Any, n: int = 1) -> None:
+async def spilling_workload(
+    c: Any, a: Any, b: Any, n: int = 1, deliver: bool = True
+) -> None:
     """Compute with several prefixes, spill, unspill, transfer a spilled key,
-    post custom metrics, fail a task; the keys end with ``-n``
+    post custom metrics, fail a task; the keys end with ``-n``. Then, if
+    ``deliver``, have the workers deliver their metrics to the scheduler.
     """
     x = c.submit(make_big, key=f"big-{n}", workers=[a.address])
     y = c.submit(len, x, key=f"local-{n}", workers=[a.address])
@@ -303,7 +374,10 @@ async def spilling_workload(c: Any, a: Any, b: Any, n: int = 1) -> None:
     f = c.submit(fail, 1, key=f"fail-{n}", workers=[b.address])
     with pytest.raises(ValueError, match="boom"):
         await f
-    await flush(c, a, b)
+    if deliver:
+        await flush(c, a, b)
+    else:
+        await settle(a, b)
 
 
 # --- The component ------------------------------------------------------------------
@@ -358,9 +432,9 @@ async def test_colors_are_the_same_everywhere(c, s, a, b):
     for label in FINE_METRICS_COLORS:
         if label in colors:
             assert colors[label] == {FINE_METRICS_COLORS[label]}
-    # The tasks' own labels: from a stable hash, not Python's salted one
-    assert fine_metrics_color("download") == fine_metrics_color("download")
-    assert colors["download"] == {fine_metrics_color("download")}
+    # The tasks' own labels: from the palette (see also
+    # test_colors_are_the_same_in_every_process)
+    assert colors["download"] <= set(FINE_METRICS_PALETTE)
 
     # ...and stay after more work
     await spilling_workload(c, a, b, n=2)
@@ -475,55 +549,352 @@ async def test_new_unit(c, s, a, b):
     assert_breakdown(fm, s.cumulative_worker_metrics)
 
 
-@pytest.mark.slow
-@gen_cluster(client=True, nthreads=[("", 2)])
-async def test_a_hundred_prefixes(c, s, a):
-    futures = [c.submit(inc, i, key=f"prefix{i:03d}-1") for i in range(100)]
-    await c.gather(futures)
-    await flush(c, a)
-    fm = FineMetricsBreakdown(s, max_prefixes=20)
-    fm.update()
-    store = s.cumulative_worker_metrics
-    shown = bars(fm.execute_sources["seconds"].data, "prefix")
-    assert len(shown) == 21
-    assert shown[-1] == FINE_METRICS_OTHER_PREFIXES
-    assert_breakdown(fm, store)
+def seconds(prefix: str, label: str = "thread-cpu") -> tuple[str, str, str, str]:
+    return ("execute", prefix, label, "seconds")
 
-    # The rest, added up, holds everything not shown
-    seconds = segments(fm.execute_sources["seconds"].data, "prefix")
-    total = sum(v for k, v in store.items() if k[0] == "execute" and k[3] == "seconds")
-    assert sum(seconds.values()) == pytest.approx(total)
+
+def execute_bars(fm: FineMetricsBreakdown, unit: str = "seconds") -> list[str]:
+    return bars(fm.execute_sources[unit].data, "prefix")
+
+
+def test_a_hundred_prefixes():
+    metrics: dict[tuple, float] = {}
+    for i in range(100):
+        metrics[seconds(f"prefix{i:03d}")] = 1.0 + i
+        metrics[seconds(f"prefix{i:03d}", "deserialize")] = 0.5
+        if i % 3 == 0:
+            metrics["execute", f"prefix{i:03d}", "memory-read", "bytes"] = 100 - i
+    fm = FineMetricsBreakdown(None, metrics, max_prefixes=20)
+    fm.update()
+    # 20 bars: the 19 largest, then the other 81 added up
+    shown = execute_bars(fm)
+    assert shown == [f"prefix{i:03d}" for i in range(99, 80, -1)] + ["(other)"]
+    data = segments(fm.execute_sources["seconds"].data, "prefix")
+    assert data["(other)", "thread-cpu"] == pytest.approx(
+        sum(1.0 + i for i in range(81))
+    )
+    assert data["(other)", "deserialize"] == pytest.approx(81 * 0.5)
+    total = sum(v for k, v in metrics.items() if k[3] == "seconds")
+    assert sum(data.values()) == pytest.approx(total)
+    # 34 prefixes have bytes: the largest are the smallest in seconds
+    assert execute_bars(fm, "bytes") == [f"prefix{i:03d}" for i in range(0, 57, 3)] + [
+        "(other)"
+    ]
+    assert_breakdown(fm, metrics)
 
     # A prefix that was in "(other)" grows into the largest
-    small = sorted(set(store_prefixes(store)) - set(shown))[0]
-    await c.submit(slow_task, key=f"{small}-2")
-    await flush(c, a)
+    metrics[seconds("prefix005")] = 1000.0
     fm.update()
-    assert bars(fm.execute_sources["seconds"].data, "prefix")[0] == small
-    assert_breakdown(fm, store)
+    assert execute_bars(fm)[0] == "prefix005"
+    assert_breakdown(fm, metrics)
 
-    # The filter picks prefixes that the limit hides; beyond it, (other) again
-    hidden = sorted(set(store_prefixes(store)) - set(shown))[:25]
+    # The filter picks prefixes that the limit hides; beyond it, "(other)" again
+    hidden = [f"prefix{i:03d}" for i in range(10, 35)]
     assert fm.prefix_filter is not None
     fm.prefix_filter.value = hidden
-    shown = bars(fm.execute_sources["seconds"].data, "prefix")
-    assert len(shown) == 21
-    assert set(shown[:-1]) < set(hidden)
-    assert_breakdown(fm, store, prefixes=set(hidden))
-
-    # Exactly max_prefixes + 1: all shown, rather than one in "(other)"
+    assert execute_bars(fm) == hidden[::-1][:19] + ["(other)"]
+    assert_breakdown(fm, metrics, prefixes=set(hidden))
+    # Exactly max_prefixes: all shown
+    fm.prefix_filter.value = hidden[:20]
+    assert execute_bars(fm) == hidden[:20][::-1]
+    assert_breakdown(fm, metrics, prefixes=set(hidden[:20]))
+    # One more: 19 and "(other)", of two
     fm.prefix_filter.value = hidden[:21]
-    assert set(bars(fm.execute_sources["seconds"].data, "prefix")) == set(hidden[:21])
+    assert execute_bars(fm) == hidden[2:21][::-1] + ["(other)"]
+    data = segments(fm.execute_sources["seconds"].data, "prefix")
+    assert data["(other)", "thread-cpu"] == pytest.approx(11.0 + 12.0)
+    assert_breakdown(fm, metrics, prefixes=set(hidden[:21]))
 
 
-def slow_task() -> None:
-    import time
+@pytest.mark.parametrize("max_prefixes", [1, 2, 3])
+def test_max_prefixes_is_the_most_bars(max_prefixes):
+    for n in range(6):
+        metrics = {seconds(f"p{i}"): 1.0 + i for i in range(n)}
+        fm = FineMetricsBreakdown(None, metrics, max_prefixes=max_prefixes)
+        fm.update()
+        shown = execute_bars(fm)
+        if n <= max_prefixes:
+            assert shown == [f"p{i}" for i in reversed(range(n))]
+        else:
+            largest = [f"p{i}" for i in reversed(range(n))][: max_prefixes - 1]
+            assert shown == largest + ["(other)"]
+        assert_breakdown(fm, metrics)
 
-    time.sleep(0.2)
+
+def test_max_prefixes_and_units_must_be_positive():
+    with pytest.raises(ValueError, match="max_prefixes"):
+        FineMetricsBreakdown(None, {}, max_prefixes=0)
+    with pytest.raises(ValueError, match="max_units"):
+        FineMetricsBreakdown(None, {}, max_units=-1)
 
 
-def store_prefixes(store: Mapping) -> list[str]:
-    return sorted({k[1] for k in store if k[0] == "execute"})
+def test_a_prefix_named_other():
+    """The bar of the rest has a name of its own: a factor appears once on an axis"""
+    metrics = {seconds(f"p{i}"): 1.0 + i for i in range(5)}
+    metrics[seconds("(other)")] = 100.0
+    fm = FineMetricsBreakdown(None, metrics, max_prefixes=3)
+    fm.update()
+    assert execute_bars(fm) == ["(other)", "p4", "(other 2)"]
+    assert fm.execute_plots["seconds"].y_range.factors == ["(other 2)", "p4", "(other)"]
+    assert_breakdown(fm, metrics)  # bokeh's checks included: no duplicate factors
+
+    metrics[seconds("(other 2)")] = 50.0
+    fm.update()
+    assert execute_bars(fm) == ["(other)", "(other 2)", "(other 3)"]
+    assert_breakdown(fm, metrics)
+
+    # In every unit, the same name
+    metrics["execute", "p0", "memory-read", "bytes"] = 1
+    metrics["execute", "p1", "memory-read", "bytes"] = 2
+    metrics["execute", "p2", "memory-read", "bytes"] = 3
+    fm.update()
+    assert execute_bars(fm, "bytes") == ["p2", "p1", "p0"]
+    metrics["execute", "p3", "memory-read", "bytes"] = 4
+    fm.update()
+    assert execute_bars(fm, "bytes") == ["p3", "p2", "(other 3)"]
+    assert_breakdown(fm, metrics)
+
+
+def test_units_are_bounded():
+    """200 units that tasks post: tabs for max_units of them, the rest in a note"""
+    metrics: dict[tuple, float] = {
+        ("execute", "p", "label", f"unit{i:03d}"): 1 for i in range(200)
+    }
+    metrics[seconds("p")] = 1.0
+    fm = FineMetricsBreakdown(None, metrics)
+    fm.update()
+    assert fm.max_units == 8
+    assert list(fm.execute_sources) == UNITS + [f"unit{i:03d}" for i in range(8)]
+    assert len(fm.execute_tabs.tabs) == 11
+    note = fm.units_note.text
+    assert note.startswith("Not shown: 192 more units that tasks post (unit008, ")
+    assert "unit017, ...)" in note
+    assert "unit018" not in note
+    assert fm.units_note.visible
+    assert_breakdown(fm, metrics)
+
+
+def test_units_with_the_most_keys_first_and_tabs_stay():
+    metrics: dict[tuple, float] = {("execute", "p", "a", "rows"): 1}
+    fm = FineMetricsBreakdown(None, metrics, max_units=2)
+    fm.update()
+    assert list(fm.execute_sources) == UNITS + ["rows"]
+    assert not fm.units_note.visible
+
+    # Three units appear at once, one tab left: the most keys win, not the values
+    metrics.update({("execute", p, "a", "items"): 1 for p in "pqr"})
+    metrics.update({("execute", p, "a", "files"): 1 for p in "pq"})
+    metrics["execute", "p", "a", "widgets"] = 1000
+    fm.execute_tabs.active = 3
+    panels = list(fm.execute_tabs.tabs)
+    fm.update()
+    assert list(fm.execute_sources) == UNITS + ["rows", "items"]
+    assert list(fm.execute_tabs.tabs[:4]) == panels
+    assert fm.execute_tabs.active == 3
+    assert fm.units_note.text.startswith(
+        "Not shown: 2 more units that tasks post (files, widgets)"
+    )
+    assert fm.units_note.visible
+    assert_breakdown(fm, metrics)
+
+    # A unit goes: its tab stays, empty, and takes no other
+    del metrics["execute", "p", "a", "rows"]
+    fm.update()
+    assert list(fm.execute_sources) == UNITS + ["rows", "items"]
+    assert fm.execute_sources["rows"].data["prefix"] == []
+    assert fm.units_note.text.startswith("Not shown: 2 more units")
+    assert_breakdown(fm, metrics)
+
+    # The units left out go: no note
+    del metrics["execute", "p", "a", "widgets"]
+    for p in "pq":
+        del metrics["execute", p, "a", "files"]
+    fm.update()
+    assert fm.units_note.text == ""
+    assert not fm.units_note.visible
+
+    # No tabs for the tasks' units at all
+    fm = FineMetricsBreakdown(None, metrics, max_units=0)
+    fm.update()
+    assert list(fm.execute_sources) == UNITS
+    assert fm.units_note.text.startswith("Not shown: 1 more unit that tasks post")
+    assert_breakdown(fm, metrics)
+
+
+def test_values_that_are_not_finite():
+    """NaN, the infinities (and what is not a number, or too large for a float)
+    are left out; they neither crash the component nor hide the rest
+    """
+    nan, inf = float("nan"), float("inf")
+    metrics: dict[Any, Any] = {
+        seconds("p"): 1.5,
+        seconds("p", "thread-noncpu"): nan,
+        ("execute", "p", "disk-read", "bytes"): inf,
+        ("execute", "p", "memory-read", "bytes"): 100,
+        seconds("q"): -inf,
+        ("execute", "q", "rows", "rows"): nan,
+        ("execute", "r", "label", "count"): "7",  # not even a number
+        ("execute", "r", "huge", "count"): 10**400,  # too large for a float
+        ("gather-dep", "network", "seconds"): inf,
+        ("gather-dep", "network", "bytes"): nan,
+        ("get-data", "network", "seconds"): 0.25,
+        ("memory-monitor", "disk-write", "bytes"): nan,
+        ("memory-monitor", "disk-write", "seconds"): inf,
+    }
+    fm = FineMetricsBreakdown(None, metrics)
+    fm.update()
+    assert segments(fm.execute_sources["seconds"].data, "prefix") == {
+        ("p", "thread-cpu"): 1.5
+    }
+    assert segments(fm.execute_sources["bytes"].data, "prefix") == {
+        ("p", "memory-read"): 100
+    }
+    assert fm.execute_sources["count"].data["prefix"] == []
+    assert list(fm.execute_sources) == UNITS
+    assert fm.prefix_filter is not None
+    assert fm.prefix_filter.options == ["p"]
+    assert fm.gather_dep_source.data["label"] == []
+    assert fm.activities_source.data["seconds"] == [1.5, 0, 0.25, 0]
+    assert fm.activities_source.data["text"][2] == "250.00 ms"
+    for source in fm.spill_sources.values():
+        assert source.data["activity"] == []
+    assert_breakdown(fm, metrics)
+
+
+def test_sums_that_overflow():
+    """Finite values whose sum is not: drawn as they are, formatted as inf"""
+    inf = float("inf")
+    metrics: dict[tuple, float] = {}
+    for unit in ("seconds", "bytes", "count", "rows"):
+        # Two labels with the same text, added up
+        metrics["execute", "p", ("a", "b"), unit] = 1e308
+        metrics["execute", "p", "a/b", unit] = 1e308
+    metrics["gather-dep", ("net", "work"), "seconds"] = 1e308
+    metrics["gather-dep", "net/work", "seconds"] = 1e308
+    fm = FineMetricsBreakdown(None, metrics)
+    fm.update()
+    for unit, formatted in [
+        ("seconds", "inf seconds"),
+        ("bytes", "inf bytes"),
+        ("count", "inf"),
+        ("rows", "inf rows"),
+    ]:
+        data = fm.execute_sources[unit].data
+        assert data["value"] == [inf]
+        assert data["text"] == [formatted]
+    assert fm.gather_dep_source.data["text"] == ["inf seconds"]
+    assert fm.activities_source.data["text"][:2] == ["inf seconds", "inf seconds"]
+
+
+def test_negative_values():
+    """A negative value (digest_metric takes them) is left out: in a stacked bar,
+    it would overlap its neighbours
+    """
+    metrics = {
+        seconds("p"): 2.0,
+        seconds("p", "mine"): -1.5,
+        seconds("p", "disk-read"): 0.5,
+        seconds("q", "mine"): -3.0,
+        ("execute", "q", "mine", "rows"): -4,
+        ("gather-dep", "network", "seconds"): -1.0,
+        ("memory-monitor", "disk-write", "bytes"): -10,
+        ("memory-monitor", "disk-write", "seconds"): 0.125,
+    }
+    fm = FineMetricsBreakdown(None, metrics)
+    fm.update()
+    data = fm.execute_sources["seconds"].data
+    assert data["prefix"] == ["p", "p"]
+    assert data["label"] == ["thread-cpu", "disk-read"]
+    assert data["left"] == [0, 2.0]
+    assert data["right"] == [2.0, 2.5]
+    assert data["share"] == [80.0, 20.0]
+    assert list(fm.execute_sources) == UNITS
+    assert fm.prefix_filter is not None
+    assert fm.prefix_filter.options == ["p"]
+    assert fm.gather_dep_source.data["label"] == []
+    assert fm.activities_source.data["seconds"] == [2.5, 0, 0, 0.125]
+    assert fm.spill_sources["bytes"].data["activity"] == []
+    assert segments(fm.spill_sources["seconds"].data, "activity") == {
+        ("execute", "disk-read"): 0.5,
+        ("memory-monitor", "disk-write"): 0.125,
+    }
+    assert_breakdown(fm, metrics)
+
+
+def test_a_change_that_keeps_length_and_sum():
+    metrics = {seconds("a"): 1.0, seconds("b"): 2.0}
+    fm = FineMetricsBreakdown(None, metrics)
+    fm.update()
+    assert execute_bars(fm) == ["b", "a"]
+    data = [source.data for source in all_sources(fm)]
+    fm.update()
+    assert all(source.data is d for source, d in zip(all_sources(fm), data))
+
+    # Two values swapped
+    metrics[seconds("a")], metrics[seconds("b")] = 2.0, 1.0
+    fm.update()
+    assert execute_bars(fm) == ["a", "b"]
+    assert fm.execute_plots["seconds"].y_range.factors == ["b", "a"]
+    assert_breakdown(fm, metrics)
+
+    # A key replaced by another, with the same value
+    del metrics[seconds("a")]
+    metrics[seconds("c")] = 2.0
+    fm.update()
+    assert execute_bars(fm) == ["c", "b"]
+    assert_breakdown(fm, metrics)
+
+    # A label replaced by another of the same prefix
+    del metrics[seconds("c")]
+    metrics[seconds("c", "disk-read")] = 2.0
+    fm.update()
+    assert fm.execute_sources["seconds"].data["label"][0] == "disk-read"
+    assert_breakdown(fm, metrics)
+
+
+def test_a_prefix_goes_away():
+    metrics = {
+        seconds("alpha"): 1.0,
+        seconds("beta"): 2.0,
+        ("execute", "beta", "memory-read", "bytes"): 10,
+        seconds("gamma"): 3.0,
+    }
+    fm = FineMetricsBreakdown(None, metrics)
+    fm.update()
+    assert execute_bars(fm) == ["gamma", "beta", "alpha"]
+    assert execute_bars(fm, "bytes") == ["beta"]
+
+    del metrics[seconds("beta")]
+    del metrics["execute", "beta", "memory-read", "bytes"]
+    fm.update()
+    assert execute_bars(fm) == ["gamma", "alpha"]
+    assert execute_bars(fm, "bytes") == []
+    assert fm.execute_plots["bytes"].y_range.factors == []
+    assert fm.prefix_filter is not None
+    assert fm.prefix_filter.options == ["alpha", "gamma"]
+    assert_breakdown(fm, metrics)
+
+    # Under the filter: the prefix chosen goes; it stays an option, so that the
+    # choice shows and can be undone
+    fm.prefix_filter.value = ["alpha"]
+    assert execute_bars(fm) == ["alpha"]
+    del metrics[seconds("alpha")]
+    fm.update()
+    assert execute_bars(fm) == []
+    assert fm.execute_plots["seconds"].y_range.factors == []
+    assert fm.prefix_filter.options == ["alpha", "gamma"]
+    assert_breakdown(fm, metrics, prefixes={"alpha"})
+    # ...and comes back
+    metrics[seconds("alpha")] = 5.0
+    fm.update()
+    assert execute_bars(fm) == ["alpha"]
+    del metrics[seconds("alpha")]
+    fm.update()
+    # Undone: all prefixes, and the one gone is no option any more
+    fm.prefix_filter.value = []
+    assert execute_bars(fm) == ["gamma"]
+    assert fm.prefix_filter.options == ["gamma"]
+    assert_breakdown(fm, metrics)
 
 
 def test_labels_that_are_not_str():
@@ -643,6 +1014,74 @@ async def test_version_counts_every_change(c, s, a, b):
     assert s.cumulative_worker_metrics_version == version + 1
 
 
+# --- Colours ----------------------------------------------------------------------
+
+#: The labels that the workers post (docs/fine_metrics.rst, "Labels")
+WORKER_LABELS = [
+    "thread-cpu",
+    "thread-noncpu",
+    "executor",
+    "serialize",
+    "deserialize",
+    "compress",
+    "decompress",
+    "disk-write",
+    "disk-read",
+    "memory-read",
+    "network",
+    "failed",
+    "cancelled",
+    "busy",
+    "missing",
+    "other",
+]
+
+
+def test_fixed_colors():
+    """Every label that the workers post has a colour of its own; the tasks'
+    labels take the palette's, which none of those has; the activities have
+    colours that no label has
+    """
+    colors = [fine_metrics_color(label) for label in WORKER_LABELS]
+    assert colors == [FINE_METRICS_COLORS[label] for label in WORKER_LABELS]
+    assert len(set(colors)) == len(colors)
+    assert fine_metrics_color("thread-cpu") == "#1f77b4"
+    assert fine_metrics_color("network") == "#9467bd"
+    assert fine_metrics_color("disk-write") == "#d62728"
+    assert not set(colors) & set(FINE_METRICS_PALETTE)
+    for label in ("download", "rows", "ping/x", "7", ""):
+        assert fine_metrics_color(label) in FINE_METRICS_PALETTE
+    activities = [FINE_METRICS_ACTIVITY_COLORS[a] for a in ACTIVITIES]
+    assert len(set(activities)) == 4
+    assert not set(activities) & (set(colors) | set(FINE_METRICS_PALETTE))
+
+
+def test_colors_are_the_same_in_every_process():
+    """The tasks' labels take a colour by a hash of their text that does not
+    depend on the process, as Python's hash() of a str does
+    """
+    labels = ["download", "rows", "ping/x", "7", "a/1/2.5", "ünï-cödé", "thread-cpu"]
+    code = (
+        "import json, sys\n"
+        "from distributed.dashboard.components.scheduler import fine_metrics_color\n"
+        "labels = json.loads(sys.argv[1])\n"
+        "print(json.dumps([[fine_metrics_color(x) for x in labels], hash(labels[0])]))"
+    )
+    seed = "2" if os.environ.get("PYTHONHASHSEED") == "1" else "1"
+    out = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(labels)],
+        env={**os.environ, "PYTHONHASHSEED": seed},
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
+    colors, salted = json.loads(out.stdout)
+    assert salted != hash(labels[0])  # another salt
+    assert colors == [fine_metrics_color(x) for x in labels]
+    assert len(set(colors[:-1])) > 1
+
+
 # --- The page -----------------------------------------------------------------------
 
 
@@ -690,6 +1129,9 @@ async def test_page(c, s, a, b):
         if name.startswith("fine_metrics_") and "_tabs" not in name:
             if "filter" not in name:
                 assert doc.get_model_by_name(name + "_plot") is not None, name
+    note = doc.get_model_by_name("fine_metrics_execute_note")
+    assert note is not None
+    assert not note.visible
     [component] = [
         comp
         for comp in getattr(doc, "components", ())
@@ -722,8 +1164,8 @@ async def test_more_menu_lists_the_page(c, s, a, b):
 
 def report_breakdown(html: str) -> Breakdown:
     """The fine metrics of a report, from the JSON of the bokeh document that the
-    HTML file embeds: the data of its named ColumnDataSources, and the factors of
-    the y ranges of the execute plots
+    HTML file embeds: the data of its named ColumnDataSources, the factors of the
+    y ranges of the execute plots and the note on the units left out
     """
     [doc_json] = re.findall(
         r'<script type="application/json" id="[^"]*">\s*(.*?)\s*</script>',
@@ -734,6 +1176,7 @@ def report_breakdown(html: str) -> Breakdown:
     models = {m["id"]: m for m in doc["roots"]["references"]}
     sources = {}
     factors = {}
+    notes = []
     for model in models.values():
         attrs = model["attributes"]
         name = attrs.get("name") or ""
@@ -744,33 +1187,55 @@ def report_breakdown(html: str) -> Breakdown:
         if match:
             y_range = models[attrs["y_range"]["id"]]["attributes"]
             factors[match.group(1)] = y_range.get("factors", [])
+        if name == "fine_metrics_execute_note":
+            notes.append(attrs.get("text", ""))
     assert set(factors) == {
         n[len("fine_metrics_execute_") :]
         for n in sources
         if n.startswith("fine_metrics_execute_")
     }
-    return Breakdown(sources, factors)
+    assert len(notes) == (1 if factors else 0)
+    return Breakdown(sources, factors, "".join(notes))
 
 
 async def report_on_workload(c: Any, a: Any, b: Any, path: Any) -> None:
-    """A function of its own, so that the report's calling code is this one"""
+    """A function of its own, so that the report's calling code is this one. The
+    block does not deliver the workers' metrics: the report must, at its end.
+    """
     async with performance_report(filename=str(path), mode="inline"):
-        await spilling_workload(c, a, b, n=2)
+        await spilling_workload(c, a, b, n=2, deliver=False)
 
 
-@pytest.mark.slow
 @gen_cluster(client=True, nthreads=[("", 1), ("", 1)], **SPILL)
 async def test_performance_report_tab(c, s, a, b, tmp_path):
-    # Work before the block is not in the report: a prefix of its own, and the
-    # same prefixes as in the block
-    await c.submit(inc, 1, key="early-1")
+    # Without heartbeats, the workers deliver their metrics only when asked to
+    for w in (a, b):
+        w.periodic_callbacks["heartbeat"].stop()
+    # Before the block: the same prefixes, delivered...
     await spilling_workload(c, a, b, n=1)
     before = dict(s.cumulative_worker_metrics)
+    # ...and a prefix of its own, not delivered yet: the report's delivery at its
+    # start brings it in, as before the block
+    await wait(c.submit(inc, 1, key="early-1"))
+    assert s.cumulative_worker_metrics == before
 
     fn = tmp_path / "report.html"
     await report_on_workload(c, a, b, fn)
+    # What the block did is in the store: the report's delivery at its end
     after = dict(s.cumulative_worker_metrics)
-    delta = {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
+    early = {k for k in after if k[0] == "execute" and k[1] == "early"}
+    assert early
+    delta = {
+        k: v - before.get(k, 0)
+        for k, v in after.items()
+        if k not in early and v != before.get(k, 0)
+    }
+    assert delta
+    # ...all of it: nothing of execute was left to deliver
+    await flush(c, a, b)
+    assert {
+        k: v for k, v in s.cumulative_worker_metrics.items() if k[0] == "execute"
+    } == {k: v for k, v in after.items() if k[0] == "execute"}
 
     html = fn.read_text()
     assert "Fine metrics" in html
@@ -779,7 +1244,6 @@ async def test_performance_report_tab(c, s, a, b, tmp_path):
     sources = report.sources
     seconds = sources["fine_metrics_execute_seconds"]
     assert set(seconds["prefix"]) == {"big", "local", "remote", "fail"}
-    assert ("execute", "early", "thread-cpu", "seconds") in before
     assert "early" not in json.dumps(sources)
     # The delta, not the totals: everything ran twice, the report has it once
     cpu = ("execute", "big", "thread-cpu", "seconds")
@@ -792,6 +1256,9 @@ async def test_performance_report_tab(c, s, a, b, tmp_path):
     assert value < after[cpu]
     assert "failed" in seconds["label"]
     assert sources["fine_metrics_execute_rows"]["value"] == [10]
+    spill = segments(sources["fine_metrics_spill_bytes"], "activity")
+    assert spill["gather-dep", "disk-write"] > 0
+    assert spill["get-data", "disk-read"] > 0
     assert_breakdown(report, delta)
 
 
@@ -807,6 +1274,102 @@ async def test_performance_report_old_signature(c, s, a, b):
     report = report_breakdown(html)
     assert report.sources["fine_metrics_execute_seconds"]["prefix"] == []
     assert_breakdown(report, {})
+
+
+@gen_cluster(client=True, nthreads=[])
+async def test_performance_report_of_odd_values(c, s):
+    """Values that the tab cannot draw, from the client over RPC, and a prefix
+    named "(other)" among more than 20: a report, with bokeh's checks passing
+    """
+    nan, inf = float("nan"), float("inf")
+    metrics: list[tuple[tuple, float]] = [
+        (seconds(f"p{i:02d}"), 1.0 + i) for i in range(30)
+    ]
+    metrics += [
+        (seconds("(other)"), 100.0),
+        (seconds("p00", "thread-noncpu"), nan),
+        (("execute", "p01", "disk-read", "bytes"), inf),
+        (seconds("p02", "mine"), -1.0),
+        (("execute", "p03", "rows", "rows"), -inf),
+        (("gather-dep", "network", "seconds"), nan),
+        (("memory-monitor", "disk-write", "bytes"), inf),
+    ]
+    with captured_logger("bokeh.core.validation.check") as log:
+        html = await c.scheduler.performance_report(
+            start=0, last_count=0, mode="inline", fine_metrics=metrics
+        )
+    assert "E-1019" not in log.getvalue()
+    report = report_breakdown(html)
+    shown = bars(report.sources["fine_metrics_execute_seconds"], "prefix")
+    assert shown == ["(other)"] + [f"p{i:02d}" for i in range(29, 11, -1)] + [
+        "(other 2)"
+    ]
+    assert_breakdown(report, dict(metrics))
+
+    # Sums that overflow: drawn, as "Infinity" in the document
+    html = await c.scheduler.performance_report(
+        start=0,
+        last_count=0,
+        mode="inline",
+        fine_metrics=[(seconds("p", ("a", "b")), 1e308), (seconds("p", "a/b"), 1e308)],
+    )
+    data = report_breakdown(html).sources["fine_metrics_execute_seconds"]
+    assert data["value"] == ["Infinity"]
+    assert data["text"] == ["inf seconds"]
+
+
+def old_performance_report(s: Scheduler) -> Any:
+    """The handler of a scheduler of an earlier version: no keyword fine_metrics"""
+
+    async def performance_report(start, last_count, code="", mode=None):
+        return await Scheduler.performance_report(s, start, last_count, code, mode)
+
+    return performance_report
+
+
+async def report_on_inc(c: Any, path: Any) -> str:
+    async with performance_report(filename=str(path), mode="inline"):
+        await c.submit(inc, 1, key="inside-1")
+    html = path.read_text()
+    assert "Dask Performance Report" in html
+    return html
+
+
+@gen_cluster(client=True)
+async def test_performance_report_older_scheduler(c, s, a, b, tmp_path):
+    """A scheduler of an earlier version, with no handler get_fine_metrics and no
+    keyword fine_metrics: the report, without the tab
+    """
+    del s.handlers["get_fine_metrics"]
+    s.handlers["performance_report"] = old_performance_report(s)
+    with captured_logger("distributed.client") as log:
+        html = await report_on_inc(c, tmp_path / "report.html")
+    assert "Fine metrics" not in html
+    assert "The scheduler gives no fine performance metrics" in log.getvalue()
+
+
+@gen_cluster(client=True)
+async def test_performance_report_scheduler_without_the_keyword(c, s, a, b, tmp_path):
+    """A scheduler with get_fine_metrics, but whose performance_report does not
+    take fine_metrics: the report, without the tab
+    """
+    s.handlers["performance_report"] = old_performance_report(s)
+    with captured_logger("distributed.client") as log:
+        html = await report_on_inc(c, tmp_path / "report.html")
+    assert "Fine metrics" not in html
+    assert "The scheduler takes no fine performance metrics" in log.getvalue()
+
+
+@gen_cluster(client=True)
+async def test_performance_report_other_type_error(c, s, a, b, tmp_path):
+    """Only the keyword's TypeError means an earlier version"""
+
+    async def performance_report(**kwargs):
+        raise TypeError("something else")
+
+    s.handlers["performance_report"] = performance_report
+    with pytest.raises(TypeError, match="something else"):
+        await report_on_inc(c, tmp_path / "report.html")
 
 
 def test_performance_report_sync(client, tmp_path):
