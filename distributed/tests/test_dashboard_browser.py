@@ -43,10 +43,12 @@ try:
 except ModuleNotFoundError:
     skip_or_fail("bokeh is not installed: `make install` installs it")
 
-#: The tabs of upstream's performance_report, in order
+#: The tabs of the fork's performance_report, in order: upstream's, with "Fine
+#: metrics" (a tab holding tabs of its own) after "Task Stream"
 REPORT_TABS = [
     "Summary",
     "Task Stream",
+    "Fine metrics",
     "System",
     "Scheduler Logs",
     "Worker Profile (compute)",
@@ -218,7 +220,8 @@ def test_named_sources_come_back(
     browser: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A standalone bokeh file with named sources (numpy arrays travel as typed
-    arrays) and tabs: every named source, NaN included; a model by name
+    arrays) and tabs within tabs: every named source, NaN included; a model by
+    name; the tabs of the root, or by name
     """
     import numpy as np
     from bokeh.embed import file_html
@@ -236,11 +239,15 @@ def test_named_sources_come_back(
     plot.vbar(x="f", top="x", width=0.5, source=fruit)
     unnamed = ColumnDataSource({"x": ["b"], "y": [0.5]})
     plot.circle(x="x", y="y", source=unnamed)
-    tabs = Tabs(
+    inner = Tabs(
         tabs=[
-            TabPanel(child=Div(text="hello"), title="Text"),
-            TabPanel(child=plot, title="Plot"),
+            TabPanel(child=Div(text="hello"), title="Hello"),
+            TabPanel(child=Div(text="world"), title="World"),
         ],
+        name="inner",
+    )
+    tabs = Tabs(
+        tabs=[TabPanel(child=inner, title="Text"), TabPanel(child=plot, title="Plot")],
         name="tabs",
     )
     page = tmp_path / "page.html"
@@ -248,8 +255,10 @@ def test_named_sources_come_back(
 
     open_html_file(browser, page)
     assert root_names(browser) == ["tabs"]
+    # Without a name, the Tabs that is a root: a report's tab may hold tabs too
     assert tab_titles(browser) == ["Text", "Plot"]
     assert tab_titles(browser, "tabs") == ["Text", "Plot"]
+    assert tab_titles(browser, "inner") == ["Hello", "World"]
     sources = bokeh_sources(browser)
     assert list(sources) == ["fruit"]
     x = sources["fruit"].pop("x")
@@ -261,6 +270,9 @@ def test_named_sources_come_back(
     data = renderer_sources(browser, "plot")
     assert [sorted(d) for d in data] == [["f", "n", "x"], ["x", "y"]]
 
+    select_tab(browser, "World", "inner")
+    assert bokeh_model(browser, "inner")["attributes"]["active"] == 1
+    assert bokeh_model(browser, "tabs")["attributes"]["active"] == 0
     select_tab(browser, "Plot")
     assert bokeh_model(browser, "tabs")["attributes"]["active"] == 1
     assert console_errors(browser) == []
@@ -378,7 +390,9 @@ def test_performance_report(browser: Any, loop: Any, tmp_path: Path) -> None:
     (data,) = renderer_sources(browser, "task_stream")
     assert rectangle_keys(data) == expected
     assert sum(expected.values()) > n_tasks  # a transfer too
-    assert bokeh_sources(browser) == {}  # upstream names none of its sources
+    # Upstream names none of its sources; the fork's Fine metrics tab names all
+    assert bokeh_sources(browser)
+    assert all(name.startswith("fine_metrics_") for name in bokeh_sources(browser))
     assert console_errors(browser) == []
     save_screenshot(browser, "performance-report-summary")
 

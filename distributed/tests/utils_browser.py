@@ -277,7 +277,9 @@ def wait_until(
 
 #: Defines ``plain(value)`` (a value as JSON: typed arrays as arrays, NaN and
 #: infinities as {"$float": "NaN"}, models as references), ``ref(model)``,
-#: ``docs()`` and ``models()`` (every model of every document)
+#: ``docs()``, ``models()`` (every model of every document), ``byName(name)``,
+#: ``allRoots()`` (a Set of the documents' roots) and ``tabsNamed(name)`` (see
+#: :func:`tab_titles`)
 _JS_PRELUDE = r"""
 const ref = (m) => ({"$model": m.type, "id": m.id, "name": m.name ?? null});
 const isModel = (v) => typeof v.id === "string" && v.properties !== undefined;
@@ -301,6 +303,12 @@ const models = () => docs().flatMap((d) => d._all_models
   ? [...d._all_models.values()]
   : d.roots().flatMap((r) => [r, ...r.references()]));
 const byName = (name) => models().filter((m) => m.name === name);
+const allRoots = () => new Set(docs().flatMap((d) => d.roots()));
+const tabsNamed = (name) => {
+  const tabs = models().filter((m) => m.type === "Tabs");
+  if (name !== null) return tabs.filter((m) => m.name === name);
+  return tabs.length > 1 ? tabs.filter((m) => allRoots().has(m)) : tabs;
+};
 """
 
 
@@ -326,10 +334,12 @@ def run_bokeh_js(driver: WebDriver, body: str, *args: Any) -> Any:
     body : str
         The body of a function, which ``return`` s its result; it may call
         ``docs()`` (BokehJS' documents), ``models()`` (all their models),
-        ``byName(name)`` (the models of that name), ``ref(model)`` and
-        ``plain(value)`` (a value as JSON: typed arrays as arrays, NaN and
-        infinities kept, models as ``{"$model": type, "id": ..., "name": ...}``);
-        ``arguments`` holds ``args``
+        ``byName(name)`` (the models of that name), ``allRoots()`` (a ``Set`` of
+        the documents' roots), ``tabsNamed(name)`` (the ``Tabs`` of
+        :func:`tab_titles`), ``ref(model)`` and ``plain(value)`` (a value as
+        JSON: typed arrays as arrays, NaN and infinities kept, models as
+        ``{"$model": type, "id": ..., "name": ...}``); ``arguments`` holds
+        ``args``
     *args
         JSON values
 
@@ -527,8 +537,9 @@ def renderer_sources(driver: WebDriver, plot: str) -> list[dict[str, list[Any]]]
 
 
 def tab_titles(driver: WebDriver, name: str | None = None) -> list[str]:
-    """The titles of the tabs of the ``Tabs`` named ``name``, or of the page's only
-    ``Tabs``
+    """The titles of the tabs of the ``Tabs`` named ``name``; without a name, of
+    the page's only ``Tabs``, or, if it has several (a report's tab holding tabs
+    of its own), of the one that is a root of its document
 
     Raises
     ------
@@ -537,11 +548,7 @@ def tab_titles(driver: WebDriver, name: str | None = None) -> list[str]:
     """
     found = run_bokeh_js(
         driver,
-        """
-        return models().filter((m) => m.type === "Tabs")
-          .filter((m) => arguments[0] === null || m.name === arguments[0])
-          .map((m) => m.tabs.map((t) => t.title));
-        """,
+        "return tabsNamed(arguments[0]).map((m) => m.tabs.map((t) => t.title));",
         name,
     )
     assert len(found) == 1, f"{len(found)} Tabs named {name!r}"
@@ -551,18 +558,14 @@ def tab_titles(driver: WebDriver, name: str | None = None) -> list[str]:
 def select_tab(
     driver: WebDriver, title: str, name: str | None = None, timeout: float = TIMEOUT
 ) -> None:
-    """Show the tab ``title`` of the ``Tabs`` named ``name`` (or of the page's only
-    ``Tabs``), as a click on it would, and wait until it is drawn
+    """Show the tab ``title`` of the ``Tabs`` named ``name`` (without a name, as
+    in :func:`tab_titles`), as a click on it would, and wait until it is drawn
     """
     titles = tab_titles(driver, name)
     assert titles.count(title) == 1, f"{title!r} not once in {titles}"
     run_bokeh_js(
         driver,
-        """
-        const tabs = models().filter((m) => m.type === "Tabs")
-          .filter((m) => arguments[0] === null || m.name === arguments[0]);
-        tabs[0].active = arguments[1];
-        """,
+        "tabsNamed(arguments[0])[0].active = arguments[1];",
         name,
         titles.index(title),
     )
