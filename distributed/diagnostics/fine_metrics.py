@@ -6,15 +6,20 @@ scheduler's store (so it includes the workers that have left)::
     python -m distributed.diagnostics.fine_metrics tcp://scheduler:8786
 
 or, with no address, for a small demonstration workload on a LocalCluster that
-computes, transfers data between workers, spills to disk and fails one task.
+computes, transfers data between workers, spills to disk and fails one task
+(what ``make demo`` runs). The demonstration then prints the URL of the
+dashboard's page of the same metrics and, when run in a terminal, keeps the
+cluster up until Enter is pressed, so that one can look at it.
 """
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from collections import defaultdict
-from collections.abc import Hashable, Iterable, Mapping
-from typing import Any
+from collections.abc import Hashable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, TextIO
 
 from distributed.client import Client, wait
 from distributed.metrics import (
@@ -23,6 +28,9 @@ from distributed.metrics import (
     format_fine_metrics,
     is_fine_metric,
 )
+
+if TYPE_CHECKING:
+    from distributed.deploy.local import LocalCluster
 
 #: The activities that post fine performance metrics, in the order of the report.
 ACTIVITIES = tuple(FINE_METRICS_ACTIVITIES)
@@ -107,9 +115,9 @@ def demo_workload(client: Client) -> None:
         client.submit(make_chunk, i, workers=[workers[i % 2]], key=f"make-chunk-{i}")
         for i in range(24)
     ]
-    # Each worker makes more chunks than it keeps in memory: wait for all of them,
-    # so that the oldest are spilled before anything reads them (otherwise whether
-    # a task unspills its inputs depends on timing)
+    # A chunk is larger than a worker keeps in memory (DEMO_CONFIG): each is
+    # spilled as soon as it is made, and read back from disk by every task that
+    # uses it, or sends it to a peer
     wait(chunks)
     # Pairs from different workers: one input of each is gathered from the peer
     sums = [
@@ -124,46 +132,139 @@ def demo_workload(client: Client) -> None:
         pass
 
 
-def run_demo(**cluster_kwargs: Any) -> tuple[dict[Hashable, float], bool]:
-    """Run :func:`demo_workload` on a LocalCluster and return its metrics, as the
-    scheduler holds them, and whether they agree with the workers' own
+#: The dask configuration of the demonstration cluster
+DEMO_CONFIG: dict[str, Any] = {
+    # Keep less than a chunk (6 of 8 MiB) in memory, so that every chunk is
+    # spilled when it is made, or arrives from a peer: by the task or transfer
+    # that stored it, whatever the timing. (With a target of several chunks, the
+    # memory monitor raced the tasks for spilling them, and sometimes won all.)
+    "distributed.worker.memory.target": 0.02,
+    # The memory monitor, which looks at the process memory, spills the rest...
+    "distributed.worker.memory.spill": 0.5,
+    # ...but never pause or restart the workers
+    "distributed.worker.memory.pause": False,
+    "distributed.worker.memory.terminate": False,
+}
 
-    ``cluster_kwargs`` go to :class:`~distributed.LocalCluster` (e.g. ``loop``).
+#: The page of the scheduler's dashboard that shows the fine performance metrics
+PAGE = "individual-fine-performance-metrics"
+
+
+@contextmanager
+def demo_cluster(
+    config: Mapping[str, Any] | None = None, **cluster_kwargs: Any
+) -> Iterator[tuple[LocalCluster, Client]]:
+    """A LocalCluster for :func:`demo_workload`, and a client of it: two workers
+    of 300 MiB that spill early, and the dashboard on a free port of the loopback
+    interface
+
+    Parameters
+    ----------
+    config:
+        dask configuration over :data:`DEMO_CONFIG`; both are set while the
+        cluster runs
+    **cluster_kwargs:
+        Passed to :class:`~distributed.LocalCluster` (e.g. ``loop``)
+
+    Yields
+    ------
+    The cluster and the client
     """
     import dask
 
     from distributed.deploy.local import LocalCluster
 
-    config = {
-        # Keep little in memory, so that most chunks are spilled...
-        "distributed.worker.memory.target": 0.2,
-        # ...also by the memory monitor, which looks at the process memory...
-        "distributed.worker.memory.spill": 0.5,
-        # ...but never pause or restart the workers
-        "distributed.worker.memory.pause": False,
-        "distributed.worker.memory.terminate": False,
+    kwargs = {
+        "n_workers": 2,
+        "threads_per_worker": 2,
+        "memory_limit": "300 MiB",
+        "dashboard_address": "127.0.0.1:0",
+        **cluster_kwargs,
     }
-    with dask.config.set(config):
-        with LocalCluster(
-            n_workers=2,
-            threads_per_worker=2,
-            memory_limit="300 MiB",
-            dashboard_address=":0",
-            **cluster_kwargs,
-        ) as cluster, Client(cluster, loop=cluster_kwargs.get("loop")) as client:
-            demo_workload(client)
-            # get_data posts its metrics once the peer acknowledged the data, which
-            # may be after the peer moved on: wait for the transfers to end
-            client.run(_wait_for_transfers)
-            scheduler = dict(cluster_fine_metrics(client))
-            workers = workers_fine_metrics(client)
-            return scheduler, views_agree(scheduler, workers)
+    with dask.config.set({**DEMO_CONFIG, **(config or {})}):
+        with LocalCluster(**kwargs) as cluster, Client(
+            cluster, loop=cluster_kwargs.get("loop")
+        ) as client:
+            yield cluster, client
+
+
+def settle(client: Client) -> None:
+    """Wait until every worker has posted the metrics of what it did: ``get-data``
+    posts its metrics once the peer acknowledged the data, which may be after
+    the peer moved on
+    """
+    client.run(_wait_for_transfers)
 
 
 def _wait_for_transfers(dask_worker: Any) -> None:
     deadline = time.monotonic() + 5
     while dask_worker.transfer_outgoing_count and time.monotonic() < deadline:
         time.sleep(0.01)
+
+
+def demo_metrics(client: Client) -> tuple[dict[Hashable, float], bool]:
+    """Run :func:`demo_workload`; return its metrics, as the scheduler holds them
+    once the workers delivered everything, and whether they agree with the
+    workers' own
+    """
+    demo_workload(client)
+    settle(client)
+    scheduler = dict(cluster_fine_metrics(client))
+    workers = workers_fine_metrics(client)
+    return scheduler, views_agree(scheduler, workers)
+
+
+def page_url(client: Client) -> str:
+    """The URL of the dashboard's page of fine performance metrics: the
+    dashboard's link (``distributed.dashboard.link``) with :data:`PAGE` in place
+    of its ``status`` page
+    """
+    link = client.dashboard_link
+    base = link[: -len("/status")] if link.endswith("/status") else link.rstrip("/")
+    return f"{base}/{PAGE}"
+
+
+def wait_for_enter(stdin: TextIO) -> None:
+    """Wait until Enter (or end of input, or Ctrl-C) is pressed, if ``stdin`` is
+    a terminal; return at once otherwise (tests, CI, a pipe)
+    """
+    if not stdin.isatty():
+        return
+    print("Press Enter to stop the cluster.", flush=True)
+    try:
+        stdin.readline()
+    except KeyboardInterrupt:
+        pass
+
+
+def demo(
+    stdin: TextIO | None = None, **cluster_kwargs: Any
+) -> tuple[dict[Hashable, float], bool]:
+    """Run the demonstration: :func:`demo_workload` on a :func:`demo_cluster`;
+    print its metrics and the URL of the dashboard's page of them; keep the
+    cluster up until Enter is pressed if ``stdin`` (default: ``sys.stdin``) is a
+    terminal
+
+    Returns
+    -------
+    What :func:`demo_metrics` returns: the metrics, as the scheduler holds them,
+    and whether they agree with the workers' own totals
+    """
+    print("Running the demonstration workload on a LocalCluster...", flush=True)
+    with demo_cluster(**cluster_kwargs) as (_, client):
+        metrics, agree = demo_metrics(client)
+        print("The scheduler's view of the cluster (Client.get_fine_metrics()):")
+        print(format_table(metrics))
+        if agree:
+            print(
+                "The scheduler's view agrees with the workers' own totals "
+                "(the same keys; counts and bytes equal; seconds within rounding)."
+            )
+        else:
+            print("WARNING: the scheduler's view differs from the workers' own totals")
+        print(f"The dashboard shows them at {page_url(client)}", flush=True)
+        wait_for_enter(sys.stdin if stdin is None else stdin)
+    return metrics, agree
 
 
 def main(argv: Iterable[str] | None = None) -> None:
@@ -179,17 +280,7 @@ def main(argv: Iterable[str] | None = None) -> None:
             metrics = dict(cluster_fine_metrics(client))
         print(format_table(metrics))
         return
-    print("Running the demonstration workload on a LocalCluster...")
-    metrics, agree = run_demo()
-    print("The scheduler's view of the cluster (Client.get_fine_metrics()):")
-    print(format_table(metrics))
-    if agree:
-        print(
-            "The scheduler's view agrees with the workers' own totals "
-            "(the same keys; counts and bytes equal; seconds within rounding)."
-        )
-    else:
-        print("WARNING: the scheduler's view differs from the workers' own totals")
+    demo()
 
 
 if __name__ == "__main__":

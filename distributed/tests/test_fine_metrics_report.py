@@ -1,17 +1,28 @@
 from __future__ import annotations
 
+import io
+import os
+import re
+import subprocess
+import sys
+import urllib.request
+from types import SimpleNamespace
+
 import pytest
 
 from distributed import Worker
+from distributed.compatibility import WINDOWS
 from distributed.diagnostics.fine_metrics import (
     cluster_fine_metrics,
+    demo,
     format_table,
     is_fine_metric,
-    run_demo,
+    page_url,
     views_agree,
+    wait_for_enter,
     workers_fine_metrics,
 )
-from distributed.utils_test import async_poll_for, gen_cluster, inc
+from distributed.utils_test import async_poll_for, gen_cluster, inc, poll_for
 
 
 def test_is_fine_metric():
@@ -108,26 +119,145 @@ async def test_cluster_fine_metrics(c, s, a, b):
     assert metrics[("get-data", "network", "seconds")] > 0
 
 
-@pytest.mark.slow
-def test_demo(loop):
-    """The demo shows every activity, spilling, transfers and the failure"""
-    metrics, agree = run_demo(loop=loop)
-    assert agree
-    out = format_table(metrics)
-    rows = [line.split() for line in out.splitlines()[2:]]
+def printed_url(out: str) -> str:
+    """The URL of the dashboard's page that the demo printed"""
+    [url] = re.findall(r"^The dashboard shows them at (\S+)$", out, flags=re.M)
+    return url
+
+
+def fetch_page(url: str) -> str:
+    """GET a page of the dashboard; check it is the page of fine metrics"""
+    with urllib.request.urlopen(url, timeout=30) as response:
+        assert response.status == 200
+        body = response.read().decode()
+    # With bokeh missing, the dashboard answers every page with a "Dask needs
+    # bokeh" page, with status 200 too
+    assert re.search(r"<title>\s*Dask: FineMetricsBreakdown\s*</title>", body), body
+    assert "bokeh" in body.lower()
+    return body
+
+
+def assert_demo_table(metrics: dict) -> None:
+    """The table of the demo's metrics shows every activity, spilling, transfers
+    and the failure
+    """
+    rows = [line.split() for line in format_table(metrics).splitlines()[2:]]
     found = {
         (r[0], r[1] if r[0] == "execute" else "", r[2 if r[0] == "execute" else 1])
         for r in rows
     }
     for expected in [
         ("execute", "make-chunk", "thread-cpu"),
+        ("execute", "make-chunk", "disk-write"),
         ("execute", "crunch", "thread-noncpu"),
         ("execute", "crunch", "crunch"),
         ("execute", "crunch", "pairs"),
         ("execute", "crunch", "disk-read"),
         ("execute", "explode", "failed"),
         ("gather-dep", "", "network"),
+        ("gather-dep", "", "disk-write"),
         ("get-data", "", "network"),
+        ("get-data", "", "disk-read"),
     ]:
         assert expected in found, expected
-    assert any(r[0] == "execute" and r[2] == "disk-write" for r in rows)
+
+
+@pytest.mark.slow
+def test_demo(loop, capsys):
+    """The demo shows every activity, spilling, transfers and the failure, and
+    says where the dashboard's page is; without a terminal, it does not wait
+    """
+    assert not sys.stdin.isatty()  # pytest's, which raises if read
+    metrics, agree = demo(loop=loop)
+    assert agree
+    assert_demo_table(metrics)
+    printed = capsys.readouterr().out
+    assert format_table(metrics) in printed
+    assert printed_url(printed).endswith("/individual-fine-performance-metrics")
+    assert "Press Enter" not in printed
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(WINDOWS, reason="needs a pseudo-terminal")
+def test_demo_in_a_terminal(tmp_path):
+    """``make demo`` in a terminal says where the dashboard's page is and keeps the
+    cluster up until Enter is pressed
+    """
+    import pty
+
+    stdout = tmp_path / "stdout"
+    terminal, terminal_side = pty.openpty()
+    with stdout.open("w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "distributed.diagnostics.fine_metrics"],
+            stdin=terminal_side,
+            stdout=out,
+            stderr=subprocess.DEVNULL,
+        )
+    try:
+        poll_for(lambda: "Press Enter" in stdout.read_text(), timeout=120)
+        url = printed_url(stdout.read_text())
+        fetch_page(url)
+        assert proc.poll() is None  # waiting
+        os.write(terminal, b"\n")
+        assert proc.wait(timeout=60) == 0
+    finally:
+        proc.kill()
+        os.close(terminal)
+        os.close(terminal_side)
+    printed = stdout.read_text()
+    assert "The scheduler's view agrees with the workers' own totals" in printed
+    assert printed.rstrip().endswith("Press Enter to stop the cluster.")
+    # Enter stopped the cluster: the page is gone
+    with pytest.raises(OSError):
+        fetch_page(url)
+
+
+@pytest.mark.parametrize(
+    "link,url",
+    [
+        (
+            "http://127.0.0.1:8787/status",
+            "http://127.0.0.1:8787/individual-fine-performance-metrics",
+        ),
+        (
+            "https://hub.example/user/me/proxy/8787/status",
+            "https://hub.example/user/me/proxy/8787/individual-fine-performance-metrics",
+        ),
+    ],
+)
+def test_page_url(link, url):
+    """The page is beside the dashboard's status page, wherever that is"""
+    assert page_url(SimpleNamespace(dashboard_link=link)) == url  # type: ignore
+
+
+class Terminal(io.StringIO):
+    """The standard input of a terminal, where Enter is pressed at once"""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = 0
+
+    def isatty(self) -> bool:
+        return True
+
+    def readline(self, size: int | None = -1) -> str:
+        self.reads += 1
+        return "\n"
+
+
+class Pipe(io.StringIO):
+    """The standard input of a pipe, which nothing may read"""
+
+    def readline(self, size: int | None = -1) -> str:
+        raise AssertionError("read from a pipe")
+
+
+def test_wait_for_enter_only_in_a_terminal(capsys):
+    terminal = Terminal()
+    wait_for_enter(terminal)
+    assert terminal.reads == 1
+    assert capsys.readouterr().out == "Press Enter to stop the cluster.\n"
+
+    wait_for_enter(Pipe())
+    assert capsys.readouterr().out == ""
