@@ -1,0 +1,251 @@
+"""The fine performance metrics in a real headless Chromium: the dashboard's page
+``/individual-fine-performance-metrics`` and the "Fine metrics" tab of a
+``performance_report`` file, as a person sees them.
+
+A ``LocalCluster`` of worker processes runs the demonstration workload of
+:mod:`distributed.diagnostics.fine_metrics` (it computes, transfers, spills to the
+workers' local directories and fails a task). The browser opens the page, or the
+report from disk; what bokeh plots is read back with JavaScript and checked against
+the scheduler's store, ``Scheduler.cumulative_worker_metrics``, by the checks of the
+component tests (:mod:`distributed.dashboard.tests.test_fine_metrics_dashboard`).
+Each test keeps a screenshot (:func:`~distributed.tests.utils_browser.save_screenshot`).
+
+They need Debian's ``chromium`` and ``chromium-driver``
+(``tools/install-chromium.sh``) and ``selenium``; without them they are skipped,
+unless ``CI=true``: then they fail.
+"""
+from __future__ import annotations
+
+from collections.abc import Hashable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from distributed.tests.utils_ci import skip_or_fail
+
+try:
+    import bokeh  # noqa: F401
+except ModuleNotFoundError:
+    skip_or_fail("bokeh is not installed: `make install` installs it")
+
+from distributed import Client, performance_report
+from distributed.dashboard.tests.test_fine_metrics_dashboard import (
+    Breakdown,
+    assert_breakdown,
+    bars,
+    segments,
+)
+from distributed.diagnostics.fine_metrics import (
+    demo_cluster,
+    demo_workload,
+    page_url,
+    settle,
+)
+from distributed.tests.test_dashboard_browser import REPORT_TABS
+from distributed.tests.utils_browser import (
+    bokeh_sources,
+    console_errors,
+    open_bokeh_page,
+    open_html_file,
+    root_names,
+    run_bokeh_js,
+    save_screenshot,
+    select_tab,
+    tab_titles,
+    wait_until,
+)
+
+#: The task prefixes of the demonstration workload
+DEMO_PREFIXES = {"make-chunk", "crunch", "explode"}
+
+
+def execute_factors(driver: Any) -> dict[str, list[str]]:
+    """The bars of each execute plot (``fine_metrics_execute_UNIT_plot``), by unit,
+    as its y range has them: from the bottom up
+    """
+    return run_bokeh_js(
+        driver,
+        """
+        const found = {};
+        for (const m of models()) {
+          const match = /^fine_metrics_execute_(.+)_plot$/.exec(m.name ?? "");
+          if (match) found[match[1]] = plain(m.y_range.factors);
+        }
+        return found;
+        """,
+    )
+
+
+def plotted(driver: Any) -> Breakdown:
+    """What the page plots: the data of its named sources, the bars of execute"""
+    return Breakdown(bokeh_sources(driver), execute_factors(driver))
+
+
+def scheduler_store(client: Client) -> dict[Hashable, float]:
+    """``Scheduler.cumulative_worker_metrics``, read on the scheduler's event loop"""
+    return client.run_on_scheduler(
+        lambda dask_scheduler: dict(dask_scheduler.cumulative_worker_metrics)
+    )
+
+
+def wait_until_plotted(
+    driver: Any, client: Client, prefixes: set[str] | None = None
+) -> dict[Hashable, float]:
+    """Wait (bounded) until the page plots what the scheduler's store holds, the
+    execute plots for ``prefixes`` only (all if None); return the store
+    """
+
+    def shows_the_store() -> dict[Hashable, float]:
+        store = scheduler_store(client)
+        assert_breakdown(plotted(driver), store, prefixes)
+        return store
+
+    return wait_until(driver, shows_the_store, what="the page showing the store")
+
+
+def assert_fits_the_window(driver: Any) -> None:
+    """No horizontal scrollbar: the plots and their legends fit the window, also
+    once the page's vertical scrollbar took its share
+    """
+    widths = run_bokeh_js(
+        driver,
+        "const e = document.documentElement; return [e.scrollWidth, e.clientWidth];",
+    )
+    assert widths[0] <= widths[1], f"the page is {widths[0]} px wide in {widths[1]}"
+
+
+def assert_demo_shown(shown: Breakdown) -> None:
+    """What the demonstration workload did is there: every prefix, the failure,
+    spilling and unspilling, the tasks' own labels, both sides of the transfers
+    """
+    execute = shown.execute()
+    seconds = segments(execute["seconds"], "prefix")
+    assert set(bars(execute["seconds"], "prefix")) == DEMO_PREFIXES
+    for prefix, label in [
+        ("make-chunk", "thread-cpu"),
+        ("make-chunk", "disk-write"),
+        ("crunch", "thread-noncpu"),
+        ("crunch", "disk-read"),
+        ("crunch", "crunch"),
+        ("explode", "failed"),
+    ]:
+        assert seconds[prefix, label] > 0, (prefix, label)
+    assert segments(execute["count"], "prefix")["crunch", "pairs"] > 0
+    assert segments(execute["bytes"], "prefix")["make-chunk", "disk-write"] > 0
+    activities = shown.sources["fine_metrics_activities"]
+    activity_seconds = dict(zip(activities["activity"], activities["seconds"]))
+    for activity in ("execute", "gather-dep", "get-data"):
+        assert activity_seconds[activity] > 0, activity
+    assert sum(activities["share"]) == pytest.approx(100)
+    for name in ("fine_metrics_gather_dep", "fine_metrics_get_data"):
+        assert "network" in shown.sources[name]["label"], name
+    spilled = segments(shown.sources["fine_metrics_spill_bytes"], "activity")
+    assert spilled["execute", "disk-write"] > 0
+    assert spilled["execute", "disk-read"] > 0
+
+
+# The page
+
+
+@pytest.mark.slow
+def test_page(browser: Any, loop: Any) -> None:
+    """The page plots the scheduler's store, and its prefix filter works from the
+    browser, through the bokeh server
+    """
+    with demo_cluster(loop=loop) as (_, client):
+        demo_workload(client)
+        settle(client)
+        client.get_fine_metrics(flush=True)
+
+        open_bokeh_page(browser, page_url(client))
+        assert root_names(browser) == ["fine_metrics"]
+        assert tab_titles(browser, "fine_metrics_execute_tabs")[:3] == [
+            "seconds",
+            "bytes",
+            "count",
+        ]
+        store = wait_until_plotted(browser, client)
+        assert_demo_shown(plotted(browser))
+        prefixes = sorted({key[1] for key in store if key[0] == "execute"})
+        filter_options = run_bokeh_js(
+            browser, 'return plain(byName("fine_metrics_prefix_filter")[0].options);'
+        )
+        assert filter_options == prefixes
+        assert_fits_the_window(browser)
+        assert console_errors(browser) == []
+        save_screenshot(browser, "fine-metrics-page")
+
+        # As if a person chose "crunch" in the filter
+        run_bokeh_js(
+            browser, 'byName("fine_metrics_prefix_filter")[0].value = ["crunch"];'
+        )
+        wait_until_plotted(browser, client, prefixes={"crunch"})
+        assert bars(plotted(browser).execute()["seconds"], "prefix") == ["crunch"]
+        select_tab(browser, "bytes", "fine_metrics_execute_tabs")
+        assert console_errors(browser) == []
+        save_screenshot(browser, "fine-metrics-page-crunch-bytes")
+
+
+# performance_report
+
+
+def make_bytes(n: int) -> bytes:
+    return b"x" * n
+
+
+def work_before_the_block(client: Client) -> None:
+    """Compute with prefixes of their own, and transfer between the workers"""
+    a, b = sorted(client.scheduler_info()["workers"])
+    x = client.submit(make_bytes, 1000, key="early-0", workers=[a])
+    assert client.submit(len, x, key="early-len-0", workers=[b]).result() == 1000
+
+
+def report_on_demo(client: Client, path: Path) -> None:
+    """A function of its own, so that the report's calling code is this one"""
+    with performance_report(filename=path, mode="inline"):
+        demo_workload(client)
+        # Everything the block did is posted before the report's end flushes it
+        settle(client)
+
+
+@pytest.mark.slow
+def test_performance_report_tab(browser: Any, loop: Any, tmp_path: Path) -> None:
+    """The report's "Fine metrics" tab, opened from disk, plots what the store
+    gained during the block, and nothing from before it
+    """
+    report = tmp_path / "report.html"
+    # Without the memory monitor, nothing spills but the tasks and transfers:
+    # between the snapshots below, nothing runs but the block
+    no_monitor = {"distributed.worker.memory.spill": False}
+    with demo_cluster(no_monitor, loop=loop) as (_, client):
+        work_before_the_block(client)
+        settle(client)
+        before = client.get_fine_metrics(flush=True)
+        report_on_demo(client, report)
+        after = client.get_fine_metrics(flush=True)
+    delta = dict(after - before)
+    assert ("execute", "early", "thread-cpu", "seconds") in before
+    assert ("execute", "early", "thread-cpu", "seconds") not in delta
+
+    open_html_file(browser, report)
+    assert tab_titles(browser) == REPORT_TABS
+    select_tab(browser, "Fine metrics")
+    shown = plotted(browser)
+    assert_breakdown(shown, delta)
+    assert_demo_shown(shown)
+    # The block's, not the totals: the transfer before the block is not in
+    network = ("gather-dep", "network", "seconds")
+    assert 0 < delta[network] < after[network]
+    [network_shown] = [
+        seconds
+        for label, seconds in zip(
+            shown.sources["fine_metrics_gather_dep"]["label"],
+            shown.sources["fine_metrics_gather_dep"]["seconds"],
+        )
+        if label == "network"
+    ]
+    assert network_shown == pytest.approx(delta[network])
+    assert_fits_the_window(browser)
+    assert console_errors(browser) == []
+    save_screenshot(browser, "fine-metrics-report")
