@@ -77,9 +77,25 @@ def execute_factors(driver: Any) -> dict[str, list[str]]:
     )
 
 
+def units_note(driver: Any) -> str:
+    """The text of the note on the units that have no tab of their own
+    (``fine_metrics_execute_note``)
+    """
+    return run_bokeh_js(
+        driver,
+        """
+        const notes = byName("fine_metrics_execute_note");
+        if (notes.length !== 1) throw new Error(`${notes.length} notes`);
+        return notes[0].text;
+        """,
+    )
+
+
 def plotted(driver: Any) -> Breakdown:
-    """What the page plots: the data of its named sources, the bars of execute"""
-    return Breakdown(bokeh_sources(driver), execute_factors(driver))
+    """What the page plots: the data of its named sources, the bars of execute, the
+    note on the units left out
+    """
+    return Breakdown(bokeh_sources(driver), execute_factors(driver), units_note(driver))
 
 
 def scheduler_store(client: Client) -> dict[Hashable, float]:
