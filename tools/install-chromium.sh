@@ -13,28 +13,8 @@ set -euo pipefail
 CHROMIUM=/usr/bin/chromium
 CHROMEDRIVER=/usr/bin/chromedriver
 
-if [[ -x "$CHROMIUM" && -x "$CHROMEDRIVER" ]]; then
-    echo "chromium and chromedriver are already installed"
-else
-    if [[ "$(id -u)" -eq 0 ]]; then
-        SUDO=()
-    elif command -v sudo >/dev/null 2>&1; then
-        SUDO=(sudo)
-    else
-        echo "error: installing chromium needs root (or sudo)" >&2
-        exit 1
-    fi
-    echo "installing Debian's chromium and chromium-driver"
-    "${SUDO[@]}" apt-get update
-    "${SUDO[@]}" env DEBIAN_FRONTEND=noninteractive \
-        apt-get install -y --no-install-recommends chromium chromium-driver
-    for binary in "$CHROMIUM" "$CHROMEDRIVER"; do
-        if [[ ! -x "$binary" ]]; then
-            echo "error: $binary is missing after installing chromium" >&2
-            exit 1
-        fi
-    done
-fi
+bash "$(dirname "$0")/apt-install.sh" "$CHROMIUM" "$CHROMEDRIVER" -- \
+    chromium chromium-driver
 
 # Both print one line; chromium's D-Bus complaints on stderr are noise
 "$CHROMIUM" --version 2>/dev/null | head -n 1

@@ -13,28 +13,7 @@ set -euo pipefail
 PROMETHEUS=/usr/bin/prometheus
 PROMTOOL=/usr/bin/promtool
 
-if [[ -x "$PROMETHEUS" && -x "$PROMTOOL" ]]; then
-    echo "prometheus and promtool are already installed"
-else
-    if [[ "$(id -u)" -eq 0 ]]; then
-        SUDO=()
-    elif command -v sudo >/dev/null 2>&1; then
-        SUDO=(sudo)
-    else
-        echo "error: installing prometheus needs root (or sudo)" >&2
-        exit 1
-    fi
-    echo "installing Debian's prometheus"
-    "${SUDO[@]}" apt-get update
-    "${SUDO[@]}" env DEBIAN_FRONTEND=noninteractive \
-        apt-get install -y --no-install-recommends prometheus
-    for binary in "$PROMETHEUS" "$PROMTOOL"; do
-        if [[ ! -x "$binary" ]]; then
-            echo "error: $binary is missing after installing prometheus" >&2
-            exit 1
-        fi
-    done
-fi
+bash "$(dirname "$0")/apt-install.sh" "$PROMETHEUS" "$PROMTOOL" -- prometheus
 
 "$PROMETHEUS" --version 2>&1 | head -n 1
 "$PROMTOOL" --version 2>&1 | head -n 1

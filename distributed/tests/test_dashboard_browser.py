@@ -33,7 +33,7 @@ from distributed.tests.utils_browser import (
     tab_titles,
     wait_until,
 )
-from distributed.tests.utils_ci import skip_or_fail
+from distributed.tests.utils_ci import loopback_process_cluster, skip_or_fail
 
 # The tests without a browser too: they test the browser's helpers
 pytestmark = pytest.mark.browser
@@ -57,19 +57,6 @@ REPORT_TABS = [
     "Bandwidth (Workers)",
     "Bandwidth (Types)",
 ]
-
-
-def start_cluster(loop: Any) -> LocalCluster:
-    # Worker processes, as users run them; the ports are read back from the cluster
-    return LocalCluster(
-        n_workers=2,
-        processes=True,
-        threads_per_worker=1,
-        dashboard_address="127.0.0.1:0",
-        worker_dashboard_address="127.0.0.1:0",
-        host="127.0.0.1",
-        loop=loop,
-    )
 
 
 def dashboard_url(cluster: LocalCluster, page: str) -> str:
@@ -298,7 +285,7 @@ def test_individual_task_stream(browser: Any, loop: Any) -> None:
     """The task stream page draws a rectangle per task and transfer that the
     scheduler's task stream holds
     """
-    with start_cluster(loop) as cluster, Client(cluster, loop=loop) as c:
+    with loopback_process_cluster(loop) as cluster, Client(cluster, loop=loop) as c:
         c.get_task_stream()  # starts recording
         n_tasks = run_workload(c)
         expected = Counter(rectangles(c.get_task_stream())["key"])
@@ -329,7 +316,7 @@ def test_individual_nprocessing(browser: Any, loop: Any) -> None:
     """The page shows each worker's number of processing tasks, as the scheduler
     has it
     """
-    with start_cluster(loop) as cluster, Client(cluster, loop=loop) as c:
+    with loopback_process_cluster(loop) as cluster, Client(cluster, loop=loop) as c:
         c.wait_for_workers(2, timeout=60)
         event = Event()
         futures = c.map(block, range(5), event=event)
@@ -372,7 +359,7 @@ def test_performance_report(browser: Any, loop: Any, tmp_path: Path) -> None:
     per task in its task stream
     """
     report = tmp_path / "report.html"
-    with start_cluster(loop) as cluster, Client(cluster, loop=loop) as c:
+    with loopback_process_cluster(loop) as cluster, Client(cluster, loop=loop) as c:
         c.wait_for_workers(2, timeout=60)
         with performance_report(filename=report, mode="inline"):
             n_tasks = run_workload(c)

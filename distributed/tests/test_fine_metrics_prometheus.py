@@ -25,7 +25,7 @@ import yaml
 from distributed import Client, LocalCluster, wait
 from distributed.metrics import context_meter
 from distributed.tests import utils_ci
-from distributed.tests.utils_ci import skip_or_fail
+from distributed.tests.utils_ci import loopback_process_cluster, skip_or_fail
 from distributed.utils import open_port
 
 PROMETHEUS = "/usr/bin/prometheus"
@@ -95,20 +95,6 @@ def run_workload(c: Client) -> None:
     wait([sink, *incs], timeout=60)
     assert sink.result() == 100_000
     assert c.gather(incs) == list(range(1, 11))
-
-
-def start_cluster(loop: Any) -> LocalCluster:
-    # processes=True: each process has its own prometheus_client registry, so
-    # that each endpoint serves its own metrics only
-    return LocalCluster(
-        n_workers=2,
-        processes=True,
-        threads_per_worker=1,
-        dashboard_address="127.0.0.1:0",
-        worker_dashboard_address="127.0.0.1:0",
-        host="127.0.0.1",
-        loop=loop,
-    )
 
 
 def metrics_endpoints(cluster: LocalCluster, c: Client) -> dict[str, str]:
@@ -317,7 +303,7 @@ def test_prometheus_scrapes_fine_metrics(loop: Any, tmp_path: Path) -> None:
     equals the scheduler's store of fine metrics, after a flush
     """
     require_executable(PROMETHEUS)
-    with start_cluster(loop) as cluster, Client(cluster, loop=loop) as c:
+    with loopback_process_cluster(loop) as cluster, Client(cluster, loop=loop) as c:
         endpoints = metrics_endpoints(cluster, c)
         workers = [addr for addr in endpoints if addr != "scheduler"]
         jobs = {"scheduler": endpoints["scheduler"]}
@@ -415,7 +401,7 @@ def test_promtool_check_metrics(loop: Any) -> None:
     pristine distributed's
     """
     promtool = require_executable(PROMTOOL)
-    with start_cluster(loop) as cluster, Client(cluster, loop=loop) as c:
+    with loopback_process_cluster(loop) as cluster, Client(cluster, loop=loop) as c:
         endpoints = metrics_endpoints(cluster, c)
         run_workload(c)
         c.get_fine_metrics()

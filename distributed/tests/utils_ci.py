@@ -1,5 +1,6 @@
 """What the tests that need a real component (a Prometheus server, a browser) do
-when it is missing: skip with a clear reason, except on CI.
+when it is missing: skip with a clear reason, except on CI; and the cluster they
+run, as users run it.
 
 CI (``CI=true``, as ``.ci/run`` runs) installs every such component, so there a
 missing one fails the test instead: CI cannot silently lose the tests that need it.
@@ -7,9 +8,11 @@ missing one fails the test instead: CI cannot silently lose the tests that need 
 from __future__ import annotations
 
 import os
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import pytest
+
+from distributed import LocalCluster
 
 
 def on_ci() -> bool:
@@ -52,3 +55,25 @@ def require_executable(path: str, install_hint: str) -> str:
     if not os.access(path, os.X_OK):
         skip_or_fail(f"{path} is not installed: {install_hint}")
     return path
+
+
+def loopback_process_cluster(loop: Any) -> LocalCluster:
+    """Two worker processes with a thread each and their own dashboards, on
+    loopback, as users run a cluster; its ports are to be read back from it (a
+    fixed port that is taken silently becomes another). Each process has its own
+    ``prometheus_client`` registry, so that each endpoint serves its own metrics.
+
+    Parameters
+    ----------
+    loop : IOLoop
+        The test's event loop (upstream's ``loop`` fixture)
+    """
+    return LocalCluster(
+        n_workers=2,
+        processes=True,
+        threads_per_worker=1,
+        dashboard_address="127.0.0.1:0",
+        worker_dashboard_address="127.0.0.1:0",
+        host="127.0.0.1",
+        loop=loop,
+    )
