@@ -1,0 +1,441 @@
+"""Every thread-second of a worker accounted for: busy running tasks, or idle by
+cause; seceded tasks; tasks still running posted as they go.
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Hashable
+
+import pytest
+
+from distributed import Event, rejoin, secede
+from distributed.core import Status
+from distributed.metrics import ThreadSecondsAccount, context_meter, is_fine_metric
+from distributed.utils_test import BlockedGetData, async_poll_for, gen_cluster, inc
+from distributed.worker_state_machine import InstructionMetricsRecorder
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_account_partitions_the_threads_seconds():
+    clock = FakeClock()
+    account = ThreadSecondsAccount(2, "idle-no-tasks", func=clock)
+    clock.now = 1.0
+    account.acquire()
+    clock.now = 3.0
+    account.set_idle_label("idle-paused")
+    clock.now = 4.0
+    account.acquire()
+    clock.now = 5.0
+    account.release()
+    account.release()
+    clock.now = 6.0
+    account.advance()
+    # 0-1: 2 idle; 1-3: 1 busy, 1 idle; 3-4: 1 busy, 1 paused; 4-5: 2 busy;
+    # 5-6: 2 paused
+    assert account.totals == pytest.approx(
+        {"busy": 2.0 + 1.0 + 2.0, "idle-no-tasks": 2.0 + 2.0, "idle-paused": 1.0 + 2.0}
+    )
+    assert sum(account.totals.values()) == pytest.approx(2 * 6.0)
+
+
+def test_account_changes_in_the_past():
+    """A change said to have happened a while ago moves that while between busy and
+    idle, as if it had been reported at once
+    """
+    clock = FakeClock()
+    account = ThreadSecondsAccount(1, "idle-no-tasks", func=clock)
+    clock.now = 10.0
+    account.acquire(at=4.0)
+    assert account.totals == {"busy": 6.0, "idle-no-tasks": 4.0}
+    clock.now = 12.0
+    account.release(at=11.5)
+    assert account.totals == {"busy": 7.5, "idle-no-tasks": 4.5}
+
+
+def test_account_does_not_count_more_threads_than_the_pool_has():
+    clock = FakeClock()
+    account = ThreadSecondsAccount(1, "idle-no-tasks", func=clock)
+    account.acquire()
+    account.acquire()  # e.g. a task that rejoined while another holds the thread
+    clock.now = 2.0
+    account.advance()
+    assert account.totals == {"busy": 2.0}
+    account.release()
+    clock.now = 3.0
+    account.release()
+    clock.now = 4.0
+    account.advance()
+    assert account.totals == {"busy": 3.0, "idle-no-tasks": 1.0}
+
+
+def threads(w) -> dict[Hashable, float]:
+    """The worker's thread-seconds up to now, by label"""
+    w.digest_running()
+    return {
+        k[1]: v
+        for k, v in w.digests_total.items()
+        if is_fine_metric(k) and k[0] == "threads"
+    }
+
+
+def execute_seconds(w, *, seceded: bool = False) -> float:
+    """The seconds of the worker's execute breakdown, ``seceded`` or the rest"""
+    return sum(
+        v
+        for k, v in w.digests_total.items()
+        if is_fine_metric(k)
+        and k[0] == "execute"
+        and k[3] == "seconds"
+        and (k[2] == "seceded") == seceded
+    )
+
+
+class Phase:
+    """What a worker's threads did over a stretch of a test"""
+
+    def __init__(self, w):
+        self.w = w
+
+    def __enter__(self) -> Phase:
+        self.before = threads(self.w)
+        self.execute_before = execute_seconds(self.w)
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        after = threads(self.w)
+        self.elapsed = time.perf_counter() - self.start
+        self.delta = {k: v - self.before.get(k, 0.0) for k, v in after.items()}
+        self.delta = {k: v for k, v in self.delta.items() if v}
+        self.execute = execute_seconds(self.w) - self.execute_before
+
+    def __getitem__(self, label: str) -> float:
+        return self.delta.get(label, 0.0)
+
+    def assert_partition(self) -> None:
+        """The labels add up to the threads × the wall time, and the busy part is the
+        execute breakdown (except time out of the pool)
+        """
+        nthreads = self.w.state.nthreads
+        assert sum(self.delta.values()) == pytest.approx(
+            nthreads * self.elapsed, rel=0.01
+        )
+        assert self["busy"] == pytest.approx(self.execute, rel=0.01, abs=0.005)
+
+
+def sleep_task(seconds: float, key: object = None) -> float:
+    time.sleep(seconds)
+    return seconds
+
+
+def seceding_task(before: float, away: float, after: float) -> int:
+    time.sleep(before)
+    secede()
+    time.sleep(away)
+    rejoin()
+    time.sleep(after)
+    return 1
+
+
+@gen_cluster(
+    client=True,
+    nthreads=[("", 2, {"resources": {"R": 1}}), ("", 1)],
+    Worker=BlockedGetData,
+    worker_kwargs={"memory_limit": "10 GB"},
+    config={
+        "distributed.worker.memory.target": False,
+        "distributed.worker.memory.spill": False,
+        "distributed.worker.memory.pause": 0.8,
+        "distributed.worker.memory.monitor-interval": "10ms",
+    },
+)
+async def test_partition_of_a_worker_with_two_threads(c, s, a, b):
+    a.block_get_data.set()  # Only b is slow to answer
+    with Phase(a) as whole:
+        # Nothing at all
+        with Phase(a) as nothing:
+            await asyncio.sleep(0.3)
+        assert set(nothing.delta) == {"idle-no-tasks"}
+        nothing.assert_partition()
+
+        # Two tasks at once
+        with Phase(a) as busy:
+            await c.gather(
+                c.map(sleep_task, [0.3, 0.3], key=["s-1", "s-2"], workers=[a.address])
+            )
+        assert busy["busy"] == pytest.approx(0.6, rel=0.3)
+        busy.assert_partition()
+
+        # A task waiting for its input from a slow peer
+        x = c.submit(inc, 1, key="x", workers=[b.address])
+        await async_poll_for(lambda: "x" in b.data, timeout=5)
+        y = c.submit(inc, x, key="y", workers=[a.address])
+        await b.in_get_data.wait()
+        with Phase(a) as fetching:
+            await asyncio.sleep(0.3)
+        assert set(fetching.delta) == {"idle-fetching-inputs"}
+        fetching.assert_partition()
+        b.block_get_data.set()
+        assert await y == 3
+
+        # Paused by the memory limits
+        rss = 0
+        a.monitor.get_process_memory = lambda: rss
+        rss = 900 * 1000**3
+        await async_poll_for(lambda: a.status == Status.paused, timeout=5)
+        with Phase(a) as paused:
+            await asyncio.sleep(0.3)
+        assert set(paused.delta) == {"idle-paused"}
+        paused.assert_partition()
+        rss = 0
+        await async_poll_for(lambda: a.status == Status.running, timeout=5)
+
+        # Two tasks that need the one R: one waits for the other
+        with Phase(a) as constrained:
+            await c.gather(
+                c.map(
+                    sleep_task,
+                    [0.3, 0.3],
+                    key=["r-1", "r-2"],
+                    workers=[a.address],
+                    resources={"R": 1},
+                )
+            )
+        assert constrained["busy"] == pytest.approx(0.6, rel=0.3)
+        assert constrained["idle-constrained"] == pytest.approx(0.3, rel=0.3)
+        constrained.assert_partition()
+
+        # A task that leaves the pool for a while
+        with Phase(a) as seceding:
+            assert await c.submit(seceding_task, 0.2, 0.3, 0.1, workers=[a.address])
+        assert seceding["busy"] == pytest.approx(0.3, rel=0.3)
+        seceded = execute_seconds(a, seceded=True)
+        assert seceded == pytest.approx(0.3, rel=0.3)
+        assert seceding.elapsed >= 0.6
+        seceding.assert_partition()
+
+    whole.assert_partition()
+    for label in (
+        "busy",
+        "idle-no-tasks",
+        "idle-fetching-inputs",
+        "idle-paused",
+        "idle-constrained",
+    ):
+        assert whole[label] > 0, label
+
+
+@gen_cluster(client=True, nthreads=[("", 1)])
+async def test_async_task_holds_its_thread(c, s, a):
+    async def f():
+        await asyncio.sleep(0.3)
+        return 1
+
+    with Phase(a) as phase:
+        assert await c.submit(f) == 1
+    assert phase["busy"] == pytest.approx(0.3, rel=0.3)
+    phase.assert_partition()
+
+
+@gen_cluster(client=True, nthreads=[("", 1)])
+async def test_seceded_task_frees_its_thread(c, s, a):
+    """While a task is out of the pool, another one runs in its slot: the worker's
+    one thread is busy with it, and the seceded time is not counted twice
+    """
+    ev = Event()
+
+    def away(ev):
+        secede()
+        ev.wait()
+        return 1
+
+    with Phase(a) as phase:
+        x = c.submit(away, ev, key="away")
+        await async_poll_for(lambda: a.state.long_running, timeout=5)
+        assert await c.submit(sleep_task, 0.3, key="other") == 0.3
+        await ev.set()
+        assert await x == 1
+    # The one slot was busy with `other` only
+    assert phase["busy"] == pytest.approx(
+        sum(
+            v
+            for k, v in a.digests_total.items()
+            if is_fine_metric(k) and k[:2] == ("execute", "other") and k[3] == "seconds"
+        )
+        + sum(
+            v
+            for k, v in a.digests_total.items()
+            if is_fine_metric(k)
+            and k[:2] == ("execute", "away")
+            and k[2] != "seceded"
+            and k[3] == "seconds"
+        ),
+        rel=0.01,
+        abs=0.005,
+    )
+    assert a.digests_total["execute", "away", "seceded", "seconds"] >= 0.3
+    phase.assert_partition()
+
+
+def record_finalized(monkeypatch) -> list[tuple[dict, list]]:
+    """Collect, for every recorder that is finalized, what its interim posts gave
+    and what it returns at the end
+    """
+    calls: list[tuple[dict, list]] = []
+    finalize = InstructionMetricsRecorder.finalize
+
+    def wrapper(self, *args, **kwargs):
+        posted = dict(self.posted or {})
+        out = finalize(self, *args, **kwargs)
+        calls.append((posted, out))
+        return out
+
+    monkeypatch.setattr(InstructionMetricsRecorder, "finalize", wrapper)
+    return calls
+
+
+def without_interim(posted: dict, rest: list) -> dict:
+    """The breakdown the instruction would have posted without interim posts"""
+    out: dict = {}
+    for label, value, unit in rest:
+        out[label, unit] = out.get((label, unit), 0) + value
+    for label, value in posted.items():
+        out[label, "seconds"] = out.get((label, "seconds"), 0) + value
+    return out
+
+
+async def deliver_until_done(future, w, every: float = 0.05) -> None:
+    """Have the worker deliver its fine metrics every ``every`` seconds until the
+    future is done (the scheduler sets the pace of heartbeats otherwise)
+    """
+    while not future.done():
+        await w.heartbeat()
+        await asyncio.sleep(every)
+
+
+def burn(seconds: float) -> int:
+    """Spend ``seconds`` of CPU time, then as many sleeping"""
+    t0 = time.thread_time()
+    while time.thread_time() - t0 < seconds:
+        pass
+    time.sleep(seconds)
+    return 1
+
+
+@gen_cluster(client=True, nthreads=[("", 1)])
+async def test_running_task_posts_at_each_delivery(c, s, a, monkeypatch):
+    calls = record_finalized(monkeypatch)
+    key_cpu = ("execute", "burn", "thread-cpu", "seconds")
+    key_noncpu = ("execute", "burn", "thread-noncpu", "seconds")
+    seen: list[tuple[float, float]] = []
+    x = c.submit(burn, 0.8, key="burn-1")
+    while not x.done():
+        await a.heartbeat()
+        store = s.cumulative_worker_metrics
+        point = (store.get(key_cpu, 0), store.get(key_noncpu, 0))
+        if not seen or point != seen[-1]:
+            seen.append(point)
+        await asyncio.sleep(0.05)
+    await x
+    # The totals grew while the task ran, CPU time first, then the rest
+    assert len(seen) >= 6, seen
+    assert seen == sorted(seen)
+    assert any(cpu > 0.2 and noncpu < 0.05 for cpu, noncpu in seen), seen
+    assert any(noncpu > 0.2 for _, noncpu in seen), seen
+
+    # ... and end where they would have ended without intermediate posts
+    [(posted, rest)] = calls
+    assert posted, "no interim post"
+    assert all(value >= 0 for _, value, _ in rest), rest
+    expect = without_interim(posted, rest)
+    await c.get_fine_metrics(flush=True)
+    for (label, unit), value in expect.items():
+        key = ("execute", "burn", label, unit)
+        assert a.digests_total[key] == pytest.approx(value, rel=1e-9, abs=1e-12)
+        assert s.cumulative_worker_metrics[key] == pytest.approx(
+            value, rel=1e-9, abs=1e-12
+        )
+    assert expect["thread-cpu", "seconds"] == pytest.approx(0.8, rel=0.2)
+    assert expect["thread-noncpu", "seconds"] == pytest.approx(0.8, rel=0.2)
+
+
+def metered_sleep(seconds: float) -> int:
+    with context_meter.meter("my-sleep"):
+        time.sleep(seconds)
+    return 1
+
+
+@gen_cluster(client=True, nthreads=[("", 1)])
+async def test_interim_posts_leave_an_open_block_out(c, s, a, monkeypatch):
+    """A meter block open in the task's thread at a delivery takes its seconds out
+    of the phase when it ends: what was posted before is never taken back
+    """
+    calls = record_finalized(monkeypatch)
+    x = c.submit(metered_sleep, 0.5, key="metered_sleep-1")
+    await deliver_until_done(x, a)
+    assert await x == 1
+    [(posted, rest)] = calls
+    assert posted
+    assert posted.get("thread-noncpu", 0) < 0.05
+    assert all(value >= 0 for _, value, _ in rest), rest
+    expect = without_interim(posted, rest)
+    assert expect["my-sleep", "seconds"] == pytest.approx(0.5, rel=0.2)
+    for (label, unit), value in expect.items():
+        key = ("execute", "metered_sleep", label, unit)
+        assert a.digests_total[key] == pytest.approx(value, rel=1e-9, abs=1e-12)
+
+
+def fail_late(seconds: float) -> None:
+    time.sleep(seconds)
+    raise ValueError("late")
+
+
+@gen_cluster(client=True, nthreads=[("", 1)])
+async def test_failed_task_takes_back_its_interim_posts(c, s, a, monkeypatch):
+    """A task that fails lumps its time into `failed`: what interim posts gave its
+    phases is taken back, so that the totals end as without them
+    """
+    calls = record_finalized(monkeypatch)
+    x = c.submit(fail_late, 0.4, key="fail_late-1")
+    await deliver_until_done(x, a)
+    with pytest.raises(ValueError, match="late"):
+        await x
+    [(posted, rest)] = calls
+    assert posted.get("thread-noncpu", 0) > 0.1
+    await c.get_fine_metrics(flush=True)
+    for store in (a.digests_total, s.cumulative_worker_metrics):
+        assert store["execute", "fail_late", "thread-noncpu", "seconds"] == (
+            pytest.approx(0, abs=1e-9)
+        )
+        assert store["execute", "fail_late", "failed", "seconds"] >= 0.4
+
+
+@gen_cluster(client=True, nthreads=[("", 2), ("", 2)])
+async def test_scheduler_sees_the_threads_seconds_grow(c, s, a, b):
+    """At each delivery, the scheduler's store gains what the threads did meanwhile:
+    by the threads of the cluster per second
+    """
+    await c.get_fine_metrics(flush=True)
+
+    def total() -> float:
+        return sum(
+            v
+            for k, v in s.cumulative_worker_metrics.items()
+            if k[0] == "threads" and not math.isnan(v)
+        )
+
+    before = total()
+    t0 = time.perf_counter()
+    await asyncio.sleep(0.5)
+    await c.get_fine_metrics(flush=True)
+    elapsed = time.perf_counter() - t0
+    assert total() - before == pytest.approx(4 * elapsed, rel=0.05)
