@@ -104,6 +104,8 @@ UPSTREAM_MODULES ?= distributed/tests/test_worker.py \
 	distributed/tests/test_metrics.py distributed/tests/test_cancelled_state.py \
 	distributed/tests/test_steal.py distributed/tests/test_resources.py \
 	distributed/tests/test_utils.py distributed/tests/test_core.py \
+	distributed/tests/test_threadpoolexecutor.py \
+	distributed/tests/test_worker_client.py \
 	distributed/protocol/tests distributed/http/worker/tests \
 	distributed/dashboard/tests/test_worker_bokeh.py \
 	distributed/dashboard/tests/test_scheduler_bokeh.py \

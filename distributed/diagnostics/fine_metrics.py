@@ -72,6 +72,57 @@ async def _workers_fine_metrics(client: Client) -> dict[Hashable, float]:
     return dict(total)
 
 
+def worker_thread_seconds(dask_worker: Any) -> dict[str, Any]:
+    """What a worker's threads did since it started (for use with ``Client.run``):
+    ``{"nthreads": int, "elapsed": seconds, "seconds": {label: thread-seconds}}``,
+    with ``seconds`` adding up to ``nthreads * elapsed``
+    """
+    dask_worker.digest_running()
+    account = dask_worker.thread_seconds
+    seconds = {
+        key[1]: value
+        for key, value in dask_worker.digests_total.items()
+        if is_fine_metric(key) and key[0] == "threads"
+    }
+    return {
+        "nthreads": account.nthreads,
+        "elapsed": account.last - account.start,
+        "seconds": seconds,
+    }
+
+
+def format_thread_seconds(workers: Mapping[str, Mapping[str, Any]]) -> str:
+    """Render what :func:`worker_thread_seconds` returns for each worker: the
+    partition of each worker's thread-seconds, with the share of each state, what
+    they add up to, and the cluster's efficiency (the busy share)
+    """
+    lines = []
+    busy = total = 0.0
+    for address, part in sorted(workers.items()):
+        seconds = part["seconds"]
+        expect = part["nthreads"] * part["elapsed"]
+        added = sum(seconds.values())
+        lines.append(
+            f"{address}: {part['nthreads']} threads x {part['elapsed']:.2f} s"
+            f" = {expect:.2f} thread-seconds"
+        )
+        for label in sorted(seconds, key=lambda label: (label != "busy", label)):
+            share = 100 * seconds[label] / added if added else 0.0
+            lines.append(f"    {label:<22} {seconds[label]:>10.3f} s {share:6.1f}%")
+        lines.append(f"    {'(added up)':<22} {added:>10.3f} s")
+        busy += seconds.get("busy", 0.0)
+        total += added
+    share = 100 * busy / total if total else 0.0
+    lines.append(f"The cluster's threads were busy {share:.1f}% of the time.")
+    return "\n".join(lines)
+
+
+def thread_seconds_add_up(part: Mapping[str, Any], rel: float = 1e-6) -> bool:
+    """Whether a worker's partition adds up to its threads times the time elapsed"""
+    expect = part["nthreads"] * part["elapsed"]
+    return abs(sum(part["seconds"].values()) - expect) <= rel * max(expect, 1.0)
+
+
 def views_agree(
     scheduler: Mapping[Hashable, float], workers: Mapping[Hashable, float]
 ) -> bool:
@@ -209,9 +260,14 @@ def demo_metrics(client: Client) -> tuple[dict[Hashable, float], bool]:
     """
     demo_workload(client)
     settle(client)
-    scheduler = dict(cluster_fine_metrics(client))
-    workers = workers_fine_metrics(client)
-    return scheduler, views_agree(scheduler, workers)
+    # A heartbeat between the two reads delivers the threads' seconds since the
+    # flush (see cluster_fine_metrics) to a store already read: read both again
+    for _ in range(5):
+        scheduler = dict(cluster_fine_metrics(client))
+        workers = workers_fine_metrics(client)
+        if views_agree(scheduler, workers):
+            return scheduler, True
+    return scheduler, False
 
 
 def page_url(client: Client) -> str:
@@ -262,6 +318,15 @@ def demo(
             )
         else:
             print("WARNING: the scheduler's view differs from the workers' own totals")
+        parts = client.run(worker_thread_seconds)
+        print()
+        print("Every second of every worker's threads: busy running tasks, or idle")
+        print("by cause (the `threads` rows above are the whole cluster's):")
+        print(format_thread_seconds(parts))
+        if all(thread_seconds_add_up(part) for part in parts.values()):
+            print("Each worker's states add up to its threads times its lifetime.")
+        else:
+            print("WARNING: a worker's states do not add up to its threads' time")
         print(f"The dashboard shows them at {page_url(client)}", flush=True)
         wait_for_enter(sys.stdin if stdin is None else stdin)
     return metrics, agree

@@ -16,8 +16,10 @@ from distributed.diagnostics.fine_metrics import (
     cluster_fine_metrics,
     demo,
     format_table,
+    format_thread_seconds,
     is_fine_metric,
     page_url,
+    thread_seconds_add_up,
     views_agree,
     wait_for_enter,
     workers_fine_metrics,
@@ -158,6 +160,8 @@ def assert_demo_table(metrics: dict) -> None:
         ("gather-dep", "", "disk-write"),
         ("get-data", "", "network"),
         ("get-data", "", "disk-read"),
+        ("threads", "", "busy"),
+        ("threads", "", "idle-no-tasks"),
     ]:
         assert expected in found, expected
 
@@ -175,6 +179,10 @@ def test_demo(loop, capsys):
     assert format_table(metrics) in printed
     assert printed_url(printed).endswith("/individual-fine-performance-metrics")
     assert "Press Enter" not in printed
+    # Each worker's threads, partitioned
+    assert "Each worker's states add up to its threads times its lifetime." in printed
+    assert printed.count(": 2 threads x ") == 2
+    assert re.search(r"threads were busy \d+\.\d% of the time", printed)
 
 
 @pytest.mark.slow
@@ -261,3 +269,26 @@ def test_wait_for_enter_only_in_a_terminal(capsys):
 
     wait_for_enter(Pipe())
     assert capsys.readouterr().out == ""
+
+
+def test_format_thread_seconds():
+    parts = {
+        "tcp://b": {
+            "nthreads": 1,
+            "elapsed": 2.0,
+            "seconds": {"idle-no-tasks": 1.5, "busy": 0.5},
+        },
+        "tcp://a": {"nthreads": 2, "elapsed": 1.0, "seconds": {"busy": 2.0}},
+    }
+    text = format_thread_seconds(parts)
+    lines = text.splitlines()
+    assert lines[0] == "tcp://a: 2 threads x 1.00 s = 2.00 thread-seconds"
+    assert lines[1].split() == ["busy", "2.000", "s", "100.0%"]
+    assert lines[3] == "tcp://b: 1 threads x 2.00 s = 2.00 thread-seconds"
+    # busy first, then the idle causes
+    assert lines[4].split() == ["busy", "0.500", "s", "25.0%"]
+    assert lines[5].split() == ["idle-no-tasks", "1.500", "s", "75.0%"]
+    assert lines[-1] == "The cluster's threads were busy 62.5% of the time."
+    assert all(thread_seconds_add_up(part) for part in parts.values())
+    parts["tcp://a"]["elapsed"] = 1.1
+    assert not thread_seconds_add_up(parts["tcp://a"])

@@ -45,6 +45,7 @@ def test_account_partitions_the_threads_seconds():
         {"busy": 2.0 + 1.0 + 2.0, "idle-no-tasks": 2.0 + 2.0, "idle-paused": 1.0 + 2.0}
     )
     assert sum(account.totals.values()) == pytest.approx(2 * 6.0)
+    assert account.last - account.start == 6.0
 
 
 def test_account_changes_in_the_past():
@@ -346,10 +347,14 @@ async def test_running_task_posts_at_each_delivery(c, s, a, monkeypatch):
             seen.append(point)
         await asyncio.sleep(0.05)
     await x
-    # The totals grew while the task ran, CPU time first, then the rest
+    # The totals grew while the task ran: CPU time, then the rest
     assert len(seen) >= 6, seen
     assert seen == sorted(seen)
-    assert any(cpu > 0.2 and noncpu < 0.05 for cpu, noncpu in seen), seen
+    assert all(
+        cpu_2 >= cpu_1 and noncpu_2 >= noncpu_1
+        for (cpu_1, noncpu_1), (cpu_2, noncpu_2) in zip(seen, seen[1:])
+    ), seen
+    assert any(cpu > 0.4 for cpu, _ in seen), seen
     assert any(noncpu > 0.2 for _, noncpu in seen), seen
 
     # ... and end where they would have ended without intermediate posts
@@ -365,7 +370,8 @@ async def test_running_task_posts_at_each_delivery(c, s, a, monkeypatch):
             value, rel=1e-9, abs=1e-12
         )
     assert expect["thread-cpu", "seconds"] == pytest.approx(0.8, rel=0.2)
-    assert expect["thread-noncpu", "seconds"] == pytest.approx(0.8, rel=0.2)
+    # The sleep, and the time the thread waited for the GIL while burning
+    assert expect["thread-noncpu", "seconds"] >= 0.75
 
 
 def metered_sleep(seconds: float) -> int:
