@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from distributed import Client, LocalCluster, wait
-from distributed.metrics import context_meter
+from distributed.metrics import THREAD_STATES, context_meter
 from distributed.tests import utils_ci
 from distributed.tests.utils_ci import loopback_process_cluster, skip_or_fail
 from distributed.utils import open_port
@@ -297,10 +297,48 @@ def wait_for(check: Callable[[], None], timeout: float, interval: float = 0.5) -
         time.sleep(interval)
 
 
+def work_metrics(metrics: Mapping[Any, float]) -> dict[Any, float]:
+    """The fine metrics of the work, without the ``threads`` keys: those grow at
+    every delivery and every scrape of a worker, and have a family of their own
+    """
+    return {k: v for k, v in metrics.items() if k[0] != "threads"}
+
+
+def thread_seconds(metrics: Mapping[Any, float]) -> dict[str, float]:
+    """``{state: seconds}`` of the ``("threads", state, "seconds")`` keys, with every
+    state that the families publish
+    """
+    out = dict.fromkeys(THREAD_STATES, 0.0)
+    out.update({k[1]: v for k, v in metrics.items() if k[0] == "threads"})
+    return out
+
+
+def scraped_thread_seconds(url: str, query: str) -> dict[str, float]:
+    """``{state: value}`` of a query on Prometheus, one series per state"""
+    out = {}
+    for series in prometheus_query(url, query):
+        state = series["metric"]["state"]
+        assert state not in out, series
+        out[state] = float(series["value"][1])
+    return out
+
+
+def scalar_query(url: str, query: str) -> float:
+    """The value of a query whose result is one series"""
+    [series] = prometheus_query(url, query)
+    return float(series["value"][1])
+
+
+def stop_heartbeats(dask_worker: Any) -> None:
+    """Stop the worker's heartbeats, and with them its deliveries of fine metrics"""
+    dask_worker.periodic_callbacks["heartbeat"].stop()
+
+
 @pytest.mark.slow
 def test_prometheus_scrapes_fine_metrics(loop: Any, tmp_path: Path) -> None:
     """A real Prometheus server scrapes the scheduler and the workers; what it holds
-    equals the scheduler's store of fine metrics, after a flush
+    equals the scheduler's store of fine metrics, after a flush; the threads'
+    seconds grow by the number of threads per second
     """
     require_executable(PROMETHEUS)
     with loopback_process_cluster(loop) as cluster, Client(cluster, loop=loop) as c:
@@ -311,16 +349,18 @@ def test_prometheus_scrapes_fine_metrics(loop: Any, tmp_path: Path) -> None:
         for i, addr in enumerate(workers):
             jobs[f"worker-{i}"] = endpoints[addr]
             worker_jobs[f"worker-{i}"] = addr
+        nthreads = c.nthreads()
 
         with run_prometheus(tmp_path, jobs) as url:
             # Prometheus takes 5-6 s to scrape its targets for the first time
             run_workload(c)
             snapshot = c.get_fine_metrics()  # flushes the workers first
 
+            # The threads' seconds move at every heartbeat; the work's don't
             store = c.run_on_scheduler(
                 lambda dask_scheduler: dict(dask_scheduler.cumulative_worker_metrics)
             )
-            assert dict(snapshot) == store
+            assert work_metrics(snapshot) == work_metrics(store)
             assert snapshot["execute", "sink", "my-count", "count"] == 3
             assert snapshot["execute", "sink", ("my", "tuple"), "count"] == 2
             assert snapshot["execute", "sink", "my-widgets", "widgets"] == 5
@@ -331,7 +371,7 @@ def test_prometheus_scrapes_fine_metrics(loop: Any, tmp_path: Path) -> None:
 
             expected_scheduler: dict[tuple[str, str, str, str], float] = {}
             expected_sum: dict[tuple[str, str, str], float] = {}
-            for key, value in snapshot.items():
+            for key, value in work_metrics(snapshot).items():
                 if len(key) == 4:
                     activity, prefix, label, unit = key
                 else:
@@ -345,6 +385,7 @@ def test_prometheus_scrapes_fine_metrics(loop: Any, tmp_path: Path) -> None:
                 job: {
                     (activity, label_text(label), unit): value
                     for (activity, label, unit), value in snapshot.workers[addr].items()
+                    if activity != "threads"
                 }
                 for job, addr in worker_jobs.items()
             }
@@ -365,9 +406,90 @@ def test_prometheus_scrapes_fine_metrics(loop: Any, tmp_path: Path) -> None:
                     assert_metrics_equal(metrics, expected_workers[job])
 
             wait_for(check, timeout=40)
+            check_thread_seconds_rates(url, worker_jobs, nthreads)
+
+            # Once the workers deliver nothing more, the scheduler's threads'
+            # seconds on Prometheus are the store's
+            c.run(stop_heartbeats)
+            final = c.get_fine_metrics()
+            assert work_metrics(final) == work_metrics(snapshot)
+            expected_threads = thread_seconds(final)
+            assert expected_threads["busy"] > 0
+            assert expected_threads["idle-no-tasks"] > 0
+
+            def check_threads() -> None:
+                scraped = scraped_thread_seconds(
+                    url, 'dask_scheduler_thread_seconds_total{job="scheduler"}'
+                )
+                assert scraped == pytest.approx(expected_threads, rel=SECONDS_REL)
+                check()
+
+            wait_for(check_threads, timeout=20)
 
             # Nothing changed on the cluster meanwhile
-            assert c.get_fine_metrics() == snapshot
+            assert c.get_fine_metrics(flush=False) == final
+
+
+def check_thread_seconds_rates(
+    url: str, worker_jobs: Mapping[str, str], nthreads: Mapping[str, int]
+) -> None:
+    """Prometheus sees the threads' seconds of each worker grow by its number of
+    threads per second, and those of the cluster by the cluster's; the efficiency
+    of the threads is a share
+    """
+    window = "10s"  # 10 scrapes (see run_prometheus)
+    workers = 'job=~"worker-.+"'
+
+    def check_rates() -> None:
+        # A window full of scrapes
+        count = scalar_query(
+            url,
+            f"min(count_over_time(dask_worker_thread_seconds_total{{{workers}}}"
+            f"[{window}]))",
+        )
+        assert count >= 9
+        # rate() does not extrapolate a series back before a sample of 0, so the
+        # rates are short while the window holds the first busy second: wait for
+        # a window past the workload
+        rates = {
+            series["metric"]["job"]: float(series["value"][1])
+            for series in prometheus_query(
+                url,
+                f"sum by (job) (rate(dask_worker_thread_seconds_total{{{workers}}}"
+                f"[{window}]))",
+            )
+        }
+        assert rates == pytest.approx(
+            {job: nthreads[addr] for job, addr in worker_jobs.items()}, rel=0.05
+        )
+        # The same, as a user would ask for it: the threads' seconds per second
+        # over the number of threads
+        per_thread = scalar_query(
+            url,
+            f"sum(rate(dask_worker_thread_seconds_total{{{workers}}}[{window}])) "
+            f"/ sum(dask_worker_threads{{{workers}}})",
+        )
+        assert per_thread == pytest.approx(1, rel=0.05)
+        # The scheduler's store gets them at each heartbeat, in steps
+        cluster = scalar_query(
+            url,
+            "sum(rate(dask_scheduler_thread_seconds_total"
+            f'{{job="scheduler"}}[{window}]))',
+        )
+        assert cluster == pytest.approx(sum(nthreads.values()), rel=0.3)
+
+    wait_for(check_rates, timeout=40)
+
+    for family, job in [
+        ("dask_scheduler_thread_seconds_total", 'job="scheduler"'),
+        ("dask_worker_thread_seconds_total", workers),
+    ]:
+        efficiency = scalar_query(
+            url,
+            f'sum(rate({family}{{{job},state="busy"}}[{window}])) '
+            f"/ sum(rate({family}{{{job}}}[{window}]))",
+        )
+        assert 0 <= efficiency <= 1, family
 
 
 # promtool
@@ -396,9 +518,9 @@ def is_pristine_finding(finding: str) -> bool:
 
 
 def test_promtool_check_metrics(loop: Any) -> None:
-    """``promtool check metrics`` finds nothing in the fine metrics families of the
-    scheduler's and the workers' endpoints, and nothing that it does not find in
-    pristine distributed's
+    """``promtool check metrics`` finds nothing in the fine metrics families and
+    the threads' seconds of the scheduler's and the workers' endpoints, and nothing
+    that it does not find in pristine distributed's
     """
     promtool = require_executable(PROMTOOL)
     with loopback_process_cluster(loop) as cluster, Client(cluster, loop=loop) as c:
@@ -418,7 +540,14 @@ def test_promtool_check_metrics(loop: Any) -> None:
             assert f"# TYPE dask_{subsystem}_{family} counter" in text, name
         execute = f'dask_{subsystem}_fine_metrics_seconds_total{{activity="execute"'
         assert execute in text, name
+        # The threads' seconds have a family of their own, by state
+        assert f"# TYPE dask_{subsystem}_thread_seconds_total counter" in text, name
+        for state in THREAD_STATES:
+            series = f'dask_{subsystem}_thread_seconds_total{{state="{state}"}} '
+            assert series in text, (name, state)
+        assert 'activity="threads"' not in text, name
 
         findings = promtool_findings(promtool, exposition)
         assert [f for f in findings if "fine_metrics" in f] == [], name
+        assert [f for f in findings if "thread_seconds" in f] == [], name
         assert [f for f in findings if not is_pristine_finding(f)] == [], name

@@ -1,0 +1,349 @@
+"""The fine performance metrics on the Prometheus endpoints: the family of the
+threads' seconds by state, and the high-water marks that keep every counter from
+going down while the store, which is exact, goes down for a while.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+
+import pytest
+
+pytest.importorskip("prometheus_client")
+
+import dask.config
+
+from distributed.http.prometheus import HighWaterMarks, high_water
+from distributed.http.scheduler.prometheus.core import FineMetricsCollector
+from distributed.metrics import THREAD_STATES
+from distributed.utils_test import fetch_metrics_body, gen_cluster, inc
+
+#: The families of the fine metrics and of the threads' seconds, by the prefix of
+#: their names
+PREFIXES = (
+    "dask_scheduler_fine_metrics_",
+    "dask_scheduler_thread_seconds",
+    "dask_worker_fine_metrics_",
+    "dask_worker_thread_seconds",
+)
+
+NONCPU = ("execute", "late", "thread-noncpu", "seconds")
+
+
+class FakeScheduler:
+    """What FineMetricsCollector reads of a scheduler"""
+
+    def __init__(self, metrics: dict[tuple, float]):
+        self.cumulative_worker_metrics = metrics
+
+
+def collected(collector: FineMetricsCollector) -> dict[tuple, float]:
+    """The samples of a collector, as ``{(name, *label values): value}``"""
+    out = {}
+    for family in collector.collect():
+        for sample in family.samples:
+            key = (sample.name, *(v for _, v in sorted(sample.labels.items())))
+            assert key not in out
+            out[key] = sample.value
+    return out
+
+
+def test_high_water():
+    marks: dict = {}
+    values = [1, 3, 2.5, 5, math.nan, 4, 6.0]
+    published = [high_water(marks, "x", v) for v in values]
+    assert published == [1, 3, 3, 5, 5, 5, 6.0]
+    # A counter starts at 0
+    assert high_water(marks, "y", -2) == 0
+    assert high_water(marks, "y", -1) == 0
+    assert high_water(marks, "y", 0.5) == 0.5
+    assert marks == {"x": 6.0, "y": 0.5}
+
+
+def test_high_water_marks_are_per_server():
+    marks = HighWaterMarks()
+    a, b = FakeScheduler({}), FakeScheduler({})
+    assert marks.of(a) is marks.of(a)
+    high_water(marks.of(a), "x", 5)
+    assert marks.of(b) == {}
+    del a
+    assert list(marks._marks) == [b]
+
+
+def test_collector_publishes_the_high_water_mark():
+    """A series whose value goes down keeps its highest value so far, until the
+    value is higher again; the store itself is not changed
+    """
+    store = {
+        NONCPU: 2.0,
+        ("execute", "late", "failed", "seconds"): 0.0,
+        ("threads", "busy", "seconds"): 3.0,
+        ("threads", "idle-no-tasks", "seconds"): 1.0,
+    }
+    collector = FineMetricsCollector(FakeScheduler(store))  # type: ignore[arg-type]
+    noncpu = (
+        "dask_scheduler_fine_metrics_seconds_total",
+        "execute",
+        "thread-noncpu",
+        "late",
+    )
+    failed = noncpu[:2] + ("failed", "late")
+    busy = ("dask_scheduler_thread_seconds_total", "busy")
+    idle = ("dask_scheduler_thread_seconds_total", "idle-no-tasks")
+
+    first = collected(collector)
+    assert first[noncpu] == 2.0
+    assert first[busy] == 3.0
+    assert first[idle] == 1.0
+    # Every state from the start, with zeros
+    assert {k[1] for k in first if k[0] == busy[0]} == set(THREAD_STATES)
+    assert first["dask_scheduler_thread_seconds_total", "idle-paused"] == 0
+
+    # A final post takes back what interim posts gave, lumped into `failed`
+    store[NONCPU] = 0.0
+    store["execute", "late", "failed", "seconds"] = 2.5
+    store["threads", "idle-no-tasks", "seconds"] = 0.5
+    second = collected(collector)
+    assert second[noncpu] == 2.0
+    assert second[failed] == 2.5
+    assert second[idle] == 1.0
+    assert store[NONCPU] == 0.0
+
+    # ... until the store catches up
+    store[NONCPU] = 1.5
+    store["threads", "idle-no-tasks", "seconds"] = 1.25
+    third = collected(collector)
+    assert third[noncpu] == 2.0
+    assert third[idle] == 1.25
+    store[NONCPU] = 2.25
+    assert collected(collector)[noncpu] == 2.25
+
+    # Another scheduler in the same process has marks of its own
+    collector.server = FakeScheduler({NONCPU: 0.5})  # type: ignore[assignment]
+    assert collected(collector)[noncpu] == 0.5
+
+
+@pytest.mark.parametrize(
+    "config,prefix",
+    [
+        ({"distributed.scheduler.fine-metrics.prometheus.task-prefix": False}, None),
+        (
+            {"distributed.scheduler.fine-metrics.prometheus.max-task-prefixes": 1},
+            "other",
+        ),
+    ],
+)
+def test_collector_high_water_with_the_cardinality_switches(config, prefix):
+    """Without the prefix label, and for the prefixes added up under ``other``, a
+    series is the sum of several keys: the mark is that of the sum
+    """
+    store = {
+        ("execute", "big", "thread-noncpu", "seconds"): 10.0,
+        ("execute", "small", "thread-noncpu", "seconds"): 1.0,
+        ("execute", "tiny", "thread-noncpu", "seconds"): 0.5,
+        ("threads", "busy", "seconds"): 11.5,
+    }
+    with dask.config.set(config):
+        collector = FineMetricsCollector(FakeScheduler(store))  # type: ignore
+        first = collected(collector)
+        store["execute", "small", "thread-noncpu", "seconds"] = 0.0
+        second = collected(collector)
+        store["execute", "tiny", "thread-noncpu", "seconds"] = 3.0
+        third = collected(collector)
+
+    name = "dask_scheduler_fine_metrics_seconds_total"
+    if prefix is None:
+        series = (name, "execute", "thread-noncpu")
+        assert (first[series], second[series], third[series]) == (11.5, 11.5, 13.0)
+    else:
+        series = (name, "execute", "thread-noncpu", prefix)
+        big = (name, "execute", "thread-noncpu", "big")
+        assert (first[series], second[series], third[series]) == (1.5, 1.5, 3.0)
+        assert first[big] == third[big] == 10.0
+    for samples in (first, second, third):
+        # The thread family has its own labels, whatever the switches
+        assert samples["dask_scheduler_thread_seconds_total", "busy"] == 11.5
+        assert not any(len(k) == 4 and k[1] == "threads" for k in samples)
+
+
+def late(seconds: float, fail: bool) -> float:
+    time.sleep(seconds)
+    if fail:
+        raise ValueError("late")
+    return seconds
+
+
+async def fetch_page(port: int, path: str) -> str:
+    """GET a page of a server's HTTP endpoint"""
+    from tornado.httpclient import AsyncHTTPClient
+
+    response = await AsyncHTTPClient().fetch(f"http://127.0.0.1:{port}{path}")
+    assert response.code == 200
+    return response.body.decode()
+
+
+async def scrape(s, w) -> dict[tuple, float]:
+    """The series of the fine metrics and the threads' seconds on the scheduler's
+    and the worker's /metrics, as ``{(name, *sorted labels): value}``
+
+    Both endpoints serve the same registry in a test cluster, but the worker's
+    collector publishes the worker that the latest request was for.
+    """
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for port, subsystem in [
+        (s.http_server.port, "scheduler"),
+        (w.http_server.port, "worker"),
+    ]:
+        body = await fetch_metrics_body(port)
+        for family in text_string_to_metric_families(body):
+            if not family.name.startswith(f"dask_{subsystem}_") or not any(
+                family.name.startswith(p) for p in PREFIXES
+            ):
+                continue
+            for sample in family.samples:
+                key = (sample.name, *sorted(sample.labels.items()))
+                out[key] = sample.value
+    return out
+
+
+async def scrape_while_running(future, s, w) -> list[dict[tuple, float]]:
+    """Scrape both endpoints every 50 ms until the future is done, after having
+    the worker deliver its fine metrics, so that the scheduler gets interim posts
+    """
+    scrapes = []
+    while not future.done():
+        await w.heartbeat()
+        scrapes.append(await scrape(s, w))
+        await asyncio.sleep(0.05)
+    return scrapes
+
+
+def assert_never_down(scrapes: list[dict[tuple, float]]) -> None:
+    for before, after in zip(scrapes, scrapes[1:]):
+        for key, value in before.items():
+            assert after[key] >= value, key
+
+
+def noncpu_series(subsystem: str) -> tuple:
+    labels = [("activity", "execute"), ("label", "thread-noncpu")]
+    if subsystem == "scheduler":
+        labels.append(("task_prefix_name", "late"))
+    return (f"dask_{subsystem}_fine_metrics_seconds_total", *labels)
+
+
+@gen_cluster(
+    client=True,
+    nthreads=[("", 1)],
+    config={
+        "distributed.scheduler.http.routes": [
+            "distributed.http.scheduler.api",
+            "distributed.http.scheduler.prometheus",
+        ]
+    },
+)
+async def test_failed_task_after_interim_posts(c, s, a):
+    """A long task posts its thread-noncpu seconds while it runs, then fails and
+    lumps them into `failed`: the store takes them back at once, but Prometheus
+    shows their high-water mark until the store catches up
+    """
+    x = c.submit(late, 0.5, True, key="late-1")
+    scrapes = await scrape_while_running(x, s, a)
+    with pytest.raises(ValueError, match="late"):
+        await x
+    await c.get_fine_metrics(flush=True)
+    scrapes.append(await scrape(s, a))
+    assert_never_down(scrapes)
+
+    # Interim posts reached both endpoints
+    marks = {}
+    for subsystem in ("scheduler", "worker"):
+        series = noncpu_series(subsystem)
+        marks[subsystem] = max(scr.get(series, 0) for scr in scrapes)
+        assert marks[subsystem] > 0.1, subsystem
+        # ... and stay there
+        assert scrapes[-1][series] == marks[subsystem], subsystem
+
+    # The store, the worker's totals, the client and the HTTP API are exact
+    for totals in (s.cumulative_worker_metrics, a.digests_total):
+        assert totals[NONCPU] == pytest.approx(0, abs=1e-9)
+        assert totals["execute", "late", "failed", "seconds"] >= 0.5
+    fm = await c.get_fine_metrics(flush=False)
+    assert fm[NONCPU] == s.cumulative_worker_metrics[NONCPU]
+    body = await fetch_page(s.http_server.port, "/api/v1/fine_metrics")
+    [record] = [
+        r
+        for r in json.loads(body)
+        if (r["activity"], r["task_prefix"], r["label"], r["unit"]) == NONCPU
+    ]
+    assert record["value"] == s.cumulative_worker_metrics[NONCPU]
+
+    # A task of the same prefix that succeeds brings the store past the mark
+    y = c.submit(late, 0.8, False, key="late-2")
+    scrapes += await scrape_while_running(y, s, a)
+    assert await y == 0.8
+    await c.get_fine_metrics(flush=True)
+    scrapes.append(await scrape(s, a))
+    assert_never_down(scrapes)
+    assert s.cumulative_worker_metrics[NONCPU] > marks["scheduler"]
+    assert scrapes[-1][noncpu_series("scheduler")] == (
+        s.cumulative_worker_metrics[NONCPU]
+    )
+    assert scrapes[-1][noncpu_series("worker")] == a.digests_total[NONCPU]
+
+
+def thread_series(scraped: dict[tuple, float], subsystem: str) -> dict[str, float]:
+    """``{state: value}`` of the family of the threads' seconds"""
+    out = {}
+    for key, value in scraped.items():
+        if key[0] == f"dask_{subsystem}_thread_seconds_total":
+            assert key[1:] == (("state", key[1][1]),)
+            out[key[1][1]] = value
+    return out
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {},
+        {"distributed.scheduler.fine-metrics.prometheus.task-prefix": False},
+        {"distributed.scheduler.fine-metrics.prometheus.max-task-prefixes": 1},
+    ],
+)
+@gen_cluster(client=True, nthreads=[("", 2)])
+async def test_thread_seconds_on_both_endpoints(c, s, a, config):
+    """The scheduler publishes the store's thread-seconds, the worker its own,
+    by state only, whatever the switches of the other families; and the other
+    families leave them out
+    """
+    with dask.config.set(config):
+        await c.gather(c.map(inc, range(5)))
+        a.periodic_callbacks["heartbeat"].stop()
+        await c.get_fine_metrics(flush=True)
+        scraped = await scrape(s, a)
+
+    threads = {
+        k[1]: v for k, v in s.cumulative_worker_metrics.items() if k[0] == "threads"
+    }
+    assert set(threads) <= set(THREAD_STATES)
+    assert threads["busy"] > 0
+    expect = dict.fromkeys(THREAD_STATES, 0.0)
+    expect.update(threads)
+    assert thread_series(scraped, "scheduler") == expect
+
+    # The worker's endpoint digests what its threads did up to the scrape
+    own = {k[1]: v for k, v in a.digests_total.items() if k[0] == "threads"}
+    expect = dict.fromkeys(THREAD_STATES, 0.0)
+    expect.update(own)
+    assert thread_series(scraped, "worker") == expect
+    assert own["idle-no-tasks"] > threads["idle-no-tasks"]
+
+    for key in scraped:
+        assert ("activity", "threads") not in key, key
+        if "task_prefix_name" in dict(key[1:]):
+            assert config.get(
+                "distributed.scheduler.fine-metrics.prometheus.task-prefix", True
+            )
