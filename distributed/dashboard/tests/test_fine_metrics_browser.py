@@ -16,6 +16,7 @@ unless ``CI=true``: then they fail.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable
 from pathlib import Path
 from typing import Any
@@ -31,10 +32,14 @@ except ModuleNotFoundError:
 
 from distributed import Client, performance_report
 from distributed.dashboard.tests.test_fine_metrics_dashboard import (
+    THREAD_STATES,
     Breakdown,
+    all_sources,
     assert_breakdown,
     bars,
+    record_report_metrics,
     segments,
+    with_threads_of,
 )
 from distributed.diagnostics.fine_metrics import (
     demo_cluster,
@@ -91,11 +96,23 @@ def units_note(driver: Any) -> str:
     )
 
 
+def threads_title(driver: Any) -> str:
+    """The title of the bars of the threads' states, with the efficiency"""
+    return run_bokeh_js(
+        driver, 'return byName("fine_metrics_threads_plot")[0].title.text;'
+    )
+
+
 def plotted(driver: Any) -> Breakdown:
     """What the page plots: the data of its named sources, the bars of execute, the
-    note on the units left out
+    note on the units left out, the title of the threads' bars
     """
-    return Breakdown(bokeh_sources(driver), execute_factors(driver), units_note(driver))
+    return Breakdown(
+        bokeh_sources(driver),
+        execute_factors(driver),
+        units_note(driver),
+        threads_title=threads_title(driver),
+    )
 
 
 def scheduler_store(client: Client) -> dict[Hashable, float]:
@@ -118,6 +135,58 @@ def wait_until_plotted(
         return store
 
     return wait_until(driver, shows_the_store, what="the page showing the store")
+
+
+PAGE_PATH = "/individual-fine-performance-metrics"
+
+
+def page_sources(dask_scheduler: Any) -> list[dict[str, dict[str, list]]]:
+    """The data of the named sources of every session of the page, on the server
+    (run on the scheduler's event loop, which the bokeh server shares)
+    """
+    bokeh_app = dask_scheduler.http_application.applications[0]
+    context = bokeh_app._applications[PAGE_PATH]
+    return [
+        {
+            source.name: {k: list(v) for k, v in source.data.items()}
+            for component in getattr(session.document, "components", ())
+            for source in all_sources(component)
+        }
+        for session in context.sessions
+    ]
+
+
+def stop_heartbeats(dask_worker: Any) -> None:
+    """The worker delivers its fine metrics only when asked to (the threads'
+    seconds grow at every delivery otherwise)
+    """
+    dask_worker.periodic_callbacks["heartbeat"].stop()
+
+
+def threads_points(driver: Any) -> list[dict[str, float]]:
+    """The points of the threads over time as the browser has them"""
+    data = bokeh_sources(driver)["fine_metrics_threads_over_time"]
+    assert set(data) == {"time", *THREAD_STATES}
+    assert data["time"] == sorted(data["time"])
+    return [
+        {state: data[state][i] for state in THREAD_STATES}
+        for i in range(len(data["time"]))
+    ]
+
+
+def assert_threads_over_time(points: list[dict[str, float]], nthreads: int) -> None:
+    """Finite, not negative, never more threads than the cluster has; all of them
+    once both workers delivered; some busy while the workload ran
+    """
+    for point in points:
+        for value in point.values():
+            assert math.isfinite(value) and value >= 0, point
+        assert sum(point.values()) <= nthreads * (1 + 1e-9), point
+    # The first point may precede a worker's first delivery since the page opened
+    for point in points[2:]:
+        assert sum(point.values()) == pytest.approx(nthreads, rel=1e-6), point
+    assert any(point["busy"] > 0 for point in points), points
+    assert points[-1]["idle-no-tasks"] == pytest.approx(nthreads, rel=1e-6)
 
 
 def assert_fits_the_window(driver: Any) -> None:
@@ -149,6 +218,8 @@ def assert_demo_shown(shown: Breakdown) -> None:
         assert seconds[prefix, label] > 0, (prefix, label)
     assert segments(execute["count"], "prefix")["crunch", "pairs"] > 0
     assert segments(execute["bytes"], "prefix")["make-chunk", "disk-write"] > 0
+    threads = shown.sources["fine_metrics_threads"]
+    assert dict(zip(threads["state"], threads["seconds"]))["busy"] > 0
     activities = shown.sources["fine_metrics_activities"]
     activity_seconds = dict(zip(activities["activity"], activities["seconds"]))
     for activity in ("execute", "gather-dep", "get-data"):
@@ -169,11 +240,9 @@ def test_page(browser: Any, loop: Any) -> None:
     """The page plots the scheduler's store, and its prefix filter works from the
     browser, through the bokeh server
     """
-    with demo_cluster(loop=loop) as (_, client):
-        demo_workload(client)
-        settle(client)
-        client.get_fine_metrics(flush=True)
-
+    with demo_cluster(loop=loop) as (cluster, client):
+        nthreads = sum(ws.nthreads for ws in cluster.scheduler.workers.values())
+        assert nthreads == 4
         open_bokeh_page(browser, page_url(client))
         assert root_names(browser) == ["fine_metrics"]
         assert tab_titles(browser, "fine_metrics_execute_tabs")[:3] == [
@@ -181,7 +250,27 @@ def test_page(browser: Any, loop: Any) -> None:
             "bytes",
             "count",
         ]
+        # The threads over time, while the workers idle, work, and idle again
+        wait_until(browser, lambda: len(threads_points(browser)) >= 2)
+        demo_workload(client)
+        settle(client)
+        n = len(threads_points(browser))
+        wait_until(browser, lambda: len(threads_points(browser)) >= n + 3)
+        client.run(stop_heartbeats)
+        client.get_fine_metrics(flush=True)
+
+        def same_as_the_server() -> list[dict[str, float]]:
+            points = threads_points(browser)
+            [on_server] = client.run_on_scheduler(page_sources)
+            shown = bokeh_sources(browser)
+            for name in ("fine_metrics_threads_over_time", "fine_metrics_threads"):
+                assert shown[name] == on_server[name], name
+            return points
+
         store = wait_until_plotted(browser, client)
+        points = wait_until(browser, same_as_the_server, what="the server's data")
+        assert_threads_over_time(points, nthreads)
+        assert threads_title(browser).startswith("The workers' threads: busy ")
         assert_demo_shown(plotted(browser))
         prefixes = sorted({key[1] for key in store if key[0] == "execute"})
         filter_options = run_bokeh_js(
@@ -234,13 +323,17 @@ def test_performance_report_tab(browser: Any, loop: Any, tmp_path: Path) -> None
     # Without the memory monitor, nothing spills but the tasks and transfers:
     # between the snapshots below, nothing runs but the block
     no_monitor = {"distributed.worker.memory.spill": False}
-    with demo_cluster(no_monitor, loop=loop) as (_, client):
+    with demo_cluster(no_monitor, loop=loop) as (cluster, client):
         work_before_the_block(client)
         settle(client)
+        received = record_report_metrics(cluster.scheduler)
         before = client.get_fine_metrics(flush=True)
         report_on_demo(client, report)
         after = client.get_fine_metrics(flush=True)
-    delta = dict(after - before)
+    # The threads' seconds grow at every delivery, the report's own too: those of
+    # the block are what the report measured
+    [block] = received
+    delta = with_threads_of(after - before, block)
     assert ("execute", "early", "thread-cpu", "seconds") in before
     assert ("execute", "early", "thread-cpu", "seconds") not in delta
 
@@ -250,6 +343,10 @@ def test_performance_report_tab(browser: Any, loop: Any, tmp_path: Path) -> None
     shown = plotted(browser)
     assert_breakdown(shown, delta)
     assert_demo_shown(shown)
+    # A delta has no history: the bars of the threads' states, no area
+    assert "fine_metrics_threads_over_time" not in shown.sources
+    assert shown.threads_title is not None
+    assert shown.threads_title.startswith("The workers' threads: busy ")
     # The block's, not the totals: the transfer before the block is not in
     network = ("gather-dep", "network", "seconds")
     assert 0 < delta[network] < after[network]

@@ -9,6 +9,7 @@ component's own helpers.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import os
@@ -17,6 +18,7 @@ import subprocess
 import sys
 from collections import defaultdict
 from collections.abc import Hashable, Mapping
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -25,22 +27,32 @@ pytest.importorskip("bokeh")
 from bokeh.core.validation import check_integrity
 from tornado.httpclient import AsyncHTTPClient
 
-from distributed import performance_report, wait
+from distributed import Event, performance_report, wait
+from distributed.core import Status
 from distributed.dashboard.components.scheduler import (
     FINE_METRICS_ACTIVITY_COLORS,
     FINE_METRICS_COLORS,
     FINE_METRICS_OTHER_PREFIXES,
     FINE_METRICS_PALETTE,
     FINE_METRICS_SPILL_LABELS,
+    FINE_METRICS_THREAD_COLORS,
     FineMetricsBreakdown,
     fine_metrics_color,
 )
-from distributed.metrics import context_meter
+from distributed.metrics import context_meter, time
 from distributed.scheduler import Scheduler
 from distributed.utils_test import async_poll_for, captured_logger, gen_cluster, inc
 
 ACTIVITIES = ["execute", "gather-dep", "get-data", "memory-monitor"]
 UNITS = ["seconds", "bytes", "count"]
+#: The states of the workers' threads (docs/fine_metrics.rst), in their order
+THREAD_STATES = [
+    "busy",
+    "idle-paused",
+    "idle-constrained",
+    "idle-fetching-inputs",
+    "idle-no-tasks",
+]
 
 SPILL = {
     "worker_kwargs": {"memory_limit": "1 GiB"},
@@ -91,6 +103,28 @@ def activity_expected(store: Mapping, activity: str) -> dict[tuple[str, str], fl
         if key[0] == activity and drawable(value):
             out[text(key[-2]), key[-1]] += value
     return dict(out)
+
+
+def threads_expected(store: Mapping) -> dict[str, float]:
+    """{state: seconds} of the workers' threads, every state of THREAD_STATES
+    included (0 if the store has none), then any other label
+    """
+    out: dict[str, float] = dict.fromkeys(THREAD_STATES, 0)
+    for key, value in store.items():
+        if key[0] == "threads" and key[-1] == "seconds" and drawable(value):
+            out[text(key[1])] = out.get(text(key[1]), 0) + value
+    return out
+
+
+def efficiency_title(store: Mapping) -> str:
+    """The title of the bars of the threads: the share of busy threads' seconds"""
+    seconds = threads_expected(store)
+    total = sum(seconds.values())
+    if not total:
+        return "The workers' threads, by state"
+    return (
+        f"The workers' threads: busy {100 * seconds['busy'] / total:.1f}% of the time"
+    )
 
 
 def other_bar(store: Mapping) -> str:
@@ -165,10 +199,13 @@ class Breakdown:
         note: str,
         max_prefixes: int = 20,
         max_units: int = 8,
+        threads_title: str | None = None,
     ):
         self.sources = sources
         self.factors = factors
         self.note = note
+        #: The title of the bars of the threads' states, if read
+        self.threads_title = threads_title
         self.max_prefixes = max_prefixes
         self.max_units = max_units
 
@@ -185,6 +222,7 @@ class Breakdown:
             fm.units_note.text,
             fm.max_prefixes,
             fm.max_units,
+            fm.threads_plot.title.text,
         )
 
     def execute(self) -> dict[str, Mapping[str, list]]:
@@ -277,6 +315,22 @@ def assert_labels(data: Mapping[str, list], store: Mapping, activity: str) -> No
         assert color == fine_metrics_color(label)
 
 
+def assert_threads(fm: Breakdown, store: Mapping) -> None:
+    """The bars of the threads' states hold the store's threads' seconds, the five
+    states always and first, with their shares; the title says the busy share
+    """
+    data = fm.sources["fine_metrics_threads"]
+    expect = threads_expected(store)
+    assert data["state"][:5] == THREAD_STATES
+    assert dict(zip(data["state"], data["seconds"])) == approx(expect)
+    total = sum(expect.values())
+    for state, share in zip(data["state"], data["share"]):
+        assert share == pytest.approx(100 * expect[state] / total if total else 0)
+    assert data["color"][:5] == [FINE_METRICS_THREAD_COLORS[s] for s in THREAD_STATES]
+    if fm.threads_title is not None:
+        assert fm.threads_title == efficiency_title(store)
+
+
 def assert_spill(fm: Breakdown, store: Mapping) -> None:
     for unit in ("seconds", "bytes"):
         data = fm.sources[f"fine_metrics_spill_{unit}"]
@@ -308,6 +362,7 @@ def assert_breakdown(
     assert_labels(fm.sources["fine_metrics_gather_dep"], store, "gather-dep")
     assert_labels(fm.sources["fine_metrics_get_data"], store, "get-data")
     assert_spill(fm, store)
+    assert_threads(fm, store)
 
 
 def assert_valid(fm: FineMetricsBreakdown) -> None:
@@ -317,7 +372,10 @@ def assert_valid(fm: FineMetricsBreakdown) -> None:
 
 
 def all_sources(fm: FineMetricsBreakdown) -> list[Any]:
+    over_time = fm.threads_over_time_source
     return [
+        *([] if over_time is None else [over_time]),
+        fm.threads_source,
         *fm.execute_sources.values(),
         fm.activities_source,
         fm.gather_dep_source,
@@ -461,6 +519,10 @@ async def test_empty_cluster(s):
     assert fm.activities_source.data["activity"] == ACTIVITIES
     assert fm.activities_source.data["seconds"] == [0, 0, 0, 0]
     assert fm.activities_source.data["share"] == [0, 0, 0, 0]
+    assert fm.threads_source.data["state"] == THREAD_STATES
+    assert fm.threads_source.data["seconds"] == [0] * 5
+    assert fm.threads_plot.title.text == "The workers' threads, by state"
+    assert points(fm) == []
     assert_breakdown(fm, s.cumulative_worker_metrics)
 
 
@@ -1011,6 +1073,273 @@ async def test_version_counts_every_change(c, s, a, b):
     assert s.cumulative_worker_metrics_version == version + 1
 
 
+# --- The threads ------------------------------------------------------------------
+
+
+def points(fm: FineMetricsBreakdown) -> list[dict[str, float]]:
+    """The points of the threads over time: {state: threads} each, in order"""
+    assert fm.threads_over_time_source is not None
+    data = fm.threads_over_time_source.data
+    assert set(data) == {"time", *THREAD_STATES}
+    assert data["time"] == sorted(data["time"])
+    return [
+        {state: data[state][i] for state in THREAD_STATES}
+        for i in range(len(data["time"]))
+    ]
+
+
+def assert_points_drawable(fm: FineMetricsBreakdown, most_threads: int) -> None:
+    """Every value of the threads over time is finite and not negative, and no
+    point has more threads than the cluster
+    """
+    for point in points(fm):
+        for value in point.values():
+            assert isinstance(value, float) and math.isfinite(value), point
+            assert value >= 0, point
+        assert sum(point.values()) <= most_threads * (1 + 1e-9), point
+
+
+async def deliver(fm: FineMetricsBreakdown, *workers: Any, n: int = 1) -> None:
+    """n times: a real while, a delivery of every worker, an update of the page"""
+    for _ in range(n):
+        await asyncio.sleep(0.1)
+        for w in workers:
+            await w.heartbeat()
+        fm.update()
+
+
+def block(event: Event) -> None:
+    event.wait()
+
+
+@gen_cluster(
+    client=True,
+    nthreads=[("", 1), ("", 2)],
+    # So that the memory monitor does not unpause a worker that the test paused
+    config={"distributed.worker.memory.pause": False},
+)
+async def test_threads_over_time(c, s, a, b):
+    """The points add up to the cluster's threads, and show the busy ones"""
+    nthreads = sum(ws.nthreads for ws in s.workers.values())
+    assert nthreads == 3
+    fm = FineMetricsBreakdown(s)
+    fm.update()
+    # The first update reads where the totals start: no point yet
+    assert points(fm) == []
+    await deliver(fm, a, b, n=2)
+    assert len(points(fm)) == 2
+    for point in points(fm):
+        assert sum(point.values()) == pytest.approx(nthreads, rel=0.03)
+        assert point["idle-no-tasks"] == pytest.approx(nthreads, rel=0.03)
+
+    # A task holds one of b's threads
+    event = Event()
+    x = c.submit(block, event, key="block-1", workers=[b.address])
+    await async_poll_for(lambda: b.state.executing_count, timeout=5)
+    await deliver(fm, a, b)  # the delivery that covers the task's start
+    await deliver(fm, a, b, n=3)
+    for point in points(fm)[-3:]:
+        assert sum(point.values()) == pytest.approx(nthreads, rel=0.03)
+        assert point["busy"] == pytest.approx(1, rel=0.03)
+        assert point["idle-no-tasks"] == pytest.approx(2, rel=0.03)
+
+    # a is paused: its thread idles for that cause
+    a.status = Status.paused
+    await deliver(fm, a, b, n=3)
+    assert points(fm)[-1]["idle-paused"] == pytest.approx(1, rel=0.03)
+    assert points(fm)[-1]["busy"] == pytest.approx(1, rel=0.03)
+    a.status = Status.running
+    await event.set()
+    await x
+    await deliver(fm, a, b, n=3)
+    assert points(fm)[-1]["idle-no-tasks"] == pytest.approx(nthreads, rel=0.03)
+    assert_points_drawable(fm, nthreads)
+
+    # The bars: the store's threads' seconds, and the busy share in the title
+    assert_breakdown(fm, s.cumulative_worker_metrics)
+    data = fm.threads_source.data
+    busy = dict(zip(data["state"], data["seconds"]))["busy"]
+    assert busy > 0.3
+    assert fm.threads_plot.title.text == efficiency_title(s.cumulative_worker_metrics)
+    assert "busy" in fm.threads_plot.title.text
+
+
+@gen_cluster(client=True, nthreads=[("", 1), ("", 1)])
+async def test_threads_over_time_at_the_heartbeats_pace(c, s, a, b):
+    """The workers deliver at their own pace, between updates or not at all: each
+    point still has the cluster's threads
+    """
+    for w in (a, b):
+        w.periodic_callbacks["heartbeat"].stop()
+    fm = FineMetricsBreakdown(s)
+    fm.update()
+    await deliver(fm, a, b)
+    for workers in [(a,), (a, a, a), (b,), (), (a, b, b)]:
+        await asyncio.sleep(0.1)
+        for w in workers:
+            await w.heartbeat()
+        fm.update()
+    for point in points(fm):
+        assert sum(point.values()) == pytest.approx(2, rel=1e-6)
+    # No point without a change of the store
+    assert len(points(fm)) == 5
+    assert_points_drawable(fm, 2)
+
+
+@gen_cluster(client=True)
+async def test_threads_over_time_no_work_without_change(c, s, a, b):
+    for w in (a, b):
+        w.periodic_callbacks["heartbeat"].stop()
+    fm = FineMetricsBreakdown(s)
+    fm.update()
+    await deliver(fm, a, b, n=2)
+    assert fm.threads_over_time_source is not None
+    data = fm.threads_over_time_source.data
+    before = {k: list(v) for k, v in data.items()}
+    version = s.cumulative_worker_metrics_version
+    for _ in range(3):
+        await asyncio.sleep(0.05)
+        fm.update()
+    # The prefix filter redraws the bars, but adds no point
+    assert fm.prefix_filter is not None
+    fm.prefix_filter.value = ["inc"]
+    assert s.cumulative_worker_metrics_version == version
+    assert fm.threads_over_time_source.data is data
+    assert {k: list(v) for k, v in data.items()} == before
+
+
+def fake_scheduler(**nthreads: int) -> Any:
+    """What the threads over time read of a scheduler: the store's version, each
+    live worker (its number of threads) and its totals without the task prefix
+    """
+    return SimpleNamespace(
+        cumulative_worker_metrics={},
+        cumulative_worker_metrics_version=0,
+        workers={w: SimpleNamespace(nthreads=n) for w, n in nthreads.items()},
+        _fine_metrics_receivers={w: SimpleNamespace(totals={}) for w in nthreads},
+    )
+
+
+def post_threads(s: Any, worker: str, **seconds: float) -> None:
+    """A delivery of threads' seconds by a worker (keyword: state, "_" for "-")"""
+    totals = s._fine_metrics_receivers[worker].totals
+    for state, value in seconds.items():
+        key = ("threads", state.replace("_", "-"), "seconds")
+        totals[key] = totals.get(key, 0) + value
+    s.cumulative_worker_metrics_version += 1
+
+
+def test_threads_over_time_never_draws_bad_values():
+    """Not finite, negative, a worker that comes back, goes, or delivers nothing
+    new: every point finite, not negative, at most the cluster's threads
+    """
+    nan, inf = float("nan"), float("inf")
+    s = fake_scheduler(a=2, b=4)
+    fm = FineMetricsBreakdown(s)
+    fm.update()
+    post_threads(s, "a", busy=1.0, idle_no_tasks=1.0)
+    post_threads(s, "b", busy=4.0)
+    fm.update()
+    assert points(fm) == [
+        {"busy": 5.0, "idle-paused": 0, "idle-constrained": 0,
+         "idle-fetching-inputs": 0, "idle-no-tasks": 1.0}
+    ]  # fmt: skip
+    # b delivers nothing new: it keeps its last states
+    post_threads(s, "a", idle_paused=2.0)
+    fm.update()
+    assert points(fm)[-1]["busy"] == 4.0
+    assert points(fm)[-1]["idle-paused"] == 2.0
+
+    # A state that the workers do not post counts in the share, is not drawn
+    post_threads(s, "b", idle_no_tasks=1.0, mystery=1.0)
+    fm.update()
+    assert points(fm)[-1] == {
+        **dict.fromkeys(THREAD_STATES, 0),
+        "idle-paused": 2.0,
+        "idle-no-tasks": 2.0,
+    }
+
+    # a's totals so far: busy 1, idle-no-tasks 1, idle-paused 2
+    totals = s._fine_metrics_receivers["a"].totals
+    for busy, gained in [
+        (nan, {}),  # not finite: left out, and nothing else gained
+        (inf, {"idle_no_tasks": 1.0}),
+        (-inf, {}),
+        (1.0, {}),  # finite again
+        (0.5, {"idle_paused": 1.0}),  # a total that goes down
+        (1e308, {"idle_no_tasks": 1e308}),  # a sum that overflows
+        (1e308, {"idle_no_tasks": 0.0}),  # nothing new
+    ]:
+        totals["threads", "busy", "seconds"] = busy
+        post_threads(s, "a", **gained)
+        fm.update()
+        assert_points_drawable(fm, 6)
+    assert len(points(fm)) == 10
+
+    # b comes back, with new totals from zero; a leaves
+    s._fine_metrics_receivers["b"] = SimpleNamespace(totals={})
+    post_threads(s, "b", idle_no_tasks=2.0)
+    del s._fine_metrics_receivers["a"]
+    del s.workers["a"]
+    fm.update()
+    assert points(fm)[-1] == {**dict.fromkeys(THREAD_STATES, 0), "idle-no-tasks": 4.0}
+    # A receiver of a worker that the scheduler no longer has
+    s._fine_metrics_receivers["c"] = SimpleNamespace(totals={})
+    post_threads(s, "c", busy=5.0)
+    fm.update()
+    assert points(fm)[-1] == {**dict.fromkeys(THREAD_STATES, 0), "idle-no-tasks": 4.0}
+    # No workers at all
+    s.workers.clear()
+    s.cumulative_worker_metrics_version += 1
+    fm.update()
+    assert points(fm)[-1] == dict.fromkeys(THREAD_STATES, 0)
+    assert_points_drawable(fm, 6)
+
+
+def test_threads_history_is_bounded():
+    s = fake_scheduler(a=1)
+    fm = FineMetricsBreakdown(s, threads_history=3)
+    fm.update()
+    for i in range(10):
+        post_threads(s, "a", busy=1.0 * i, idle_no_tasks=1.0)
+        fm.update()
+    assert [p["busy"] for p in points(fm)] == pytest.approx([7 / 8, 8 / 9, 9 / 10])
+    with pytest.raises(ValueError, match="threads_history"):
+        FineMetricsBreakdown(s, threads_history=1)
+
+
+def test_threads_bars():
+    """The five states always, in their order, then the others; the efficiency in
+    the title
+    """
+    metrics = {
+        ("threads", "idle-no-tasks", "seconds"): 3.0,
+        ("threads", "busy", "seconds"): 1.0,
+        ("threads", "mystery", "seconds"): 0.5,
+        ("threads", "other", "seconds"): 1.5,
+        ("threads", "idle-paused", "seconds"): -1.0,
+        ("threads", "idle-constrained", "seconds"): float("nan"),
+        seconds("p"): 7.0,
+    }
+    fm = FineMetricsBreakdown(None, metrics)
+    assert fm.threads_plot.title.text == "The workers' threads, by state"
+    fm.update()
+    data = fm.threads_source.data
+    assert data["state"] == THREAD_STATES + ["other", "mystery"]
+    assert data["seconds"] == [1.0, 0, 0, 0, 3.0, 1.5, 0.5]
+    assert fm.threads_plot.y_range.factors == data["state"][::-1]
+    assert fm.threads_plot.title.text == "The workers' threads: busy 16.7% of the time"
+    assert_breakdown(fm, metrics)
+    # Not the activities' seconds: those partition the work, not the threads
+    assert fm.activities_source.data["seconds"] == [7.0, 0, 0, 0]
+    # With a mapping, no history: no threads over time
+    assert fm.threads_over_time_source is None
+    assert fm.threads_over_time_plot is None
+    assert [getattr(p, "name", None) for p in fm.root.children[0].children] == [
+        "fine_metrics_threads_plot"
+    ]
+
+
 # --- Colours ----------------------------------------------------------------------
 
 #: The labels that the workers post (docs/fine_metrics.rst, "Labels")
@@ -1051,6 +1380,12 @@ def test_fixed_colors():
     activities = [FINE_METRICS_ACTIVITY_COLORS[a] for a in ACTIVITIES]
     assert len(set(activities)) == 4
     assert not set(activities) & (set(colors) | set(FINE_METRICS_PALETTE))
+    threads = [FINE_METRICS_THREAD_COLORS[s] for s in THREAD_STATES]
+    assert list(FINE_METRICS_THREAD_COLORS) == THREAD_STATES
+    assert len(set(threads)) == 5
+    assert not set(threads) & (
+        set(colors) | set(FINE_METRICS_PALETTE) | set(activities)
+    )
 
 
 def test_colors_are_the_same_in_every_process():
@@ -1112,6 +1447,8 @@ async def test_page(c, s, a, b):
     source = doc.get_model_by_name("fine_metrics_execute_seconds")
     assert "inc" in source.data["prefix"]
     for name in (
+        "fine_metrics_threads_over_time",
+        "fine_metrics_threads",
         "fine_metrics_activities",
         "fine_metrics_gather_dep",
         "fine_metrics_get_data",
@@ -1174,6 +1511,7 @@ def report_breakdown(html: str) -> Breakdown:
     sources = {}
     factors = {}
     notes = []
+    titles = []
     for model in models.values():
         attrs = model["attributes"]
         name = attrs.get("name") or ""
@@ -1186,13 +1524,43 @@ def report_breakdown(html: str) -> Breakdown:
             factors[match.group(1)] = y_range.get("factors", [])
         if name == "fine_metrics_execute_note":
             notes.append(attrs.get("text", ""))
+        if name == "fine_metrics_threads_plot":
+            titles.append(models[attrs["title"]["id"]]["attributes"]["text"])
     assert set(factors) == {
         n[len("fine_metrics_execute_") :]
         for n in sources
         if n.startswith("fine_metrics_execute_")
     }
     assert len(notes) == (1 if factors else 0)
-    return Breakdown(sources, factors, "".join(notes))
+    assert len(titles) == (1 if factors else 0)
+    return Breakdown(
+        sources, factors, "".join(notes), threads_title=titles[0] if titles else None
+    )
+
+
+def record_report_metrics(s: Scheduler) -> list[dict[tuple, float]]:
+    """The fine metrics that the scheduler's performance_report receives, one dict
+    per report, as they arrive: the block's delta that the tab shows
+    """
+    received: list[dict[tuple, float]] = []
+    handler = s.handlers["performance_report"]
+
+    async def performance_report(**kwargs: Any) -> Any:
+        received.append({tuple(k): v for k, v in kwargs.get("fine_metrics") or ()})
+        return await handler(**kwargs)
+
+    s.handlers["performance_report"] = performance_report
+    return received
+
+
+def with_threads_of(store: Mapping, other: Mapping) -> dict:
+    """The store, with the threads' seconds of the other: a delta that the test
+    measured around a report, with the threads' seconds that the report measured
+    (they grow whenever the workers deliver, also at the report's own flushes)
+    """
+    out = {k: v for k, v in store.items() if k[0] != "threads"}
+    out.update({k: v for k, v in other.items() if k[0] == "threads"})
+    return out
 
 
 async def report_on_workload(c: Any, a: Any, b: Any, path: Any) -> None:
@@ -1217,7 +1585,10 @@ async def test_performance_report_tab(c, s, a, b, tmp_path):
     assert s.cumulative_worker_metrics == before
 
     fn = tmp_path / "report.html"
+    received = record_report_metrics(s)
+    before_time = time()
     await report_on_workload(c, a, b, fn)
+    after_time = time()
     # What the block did is in the store: the report's delivery at its end
     after = dict(s.cumulative_worker_metrics)
     early = {k for k in after if k[0] == "execute" and k[1] == "early"}
@@ -1256,7 +1627,20 @@ async def test_performance_report_tab(c, s, a, b, tmp_path):
     spill = segments(sources["fine_metrics_spill_bytes"], "activity")
     assert spill["gather-dep", "disk-write"] > 0
     assert spill["get-data", "disk-read"] > 0
-    assert_breakdown(report, delta)
+    # The threads' seconds of the block: the report's own delta, which the test
+    # cannot measure from outside (the report's flushes deliver them too)
+    [block] = received
+    assert {k: v for k, v in block.items() if k[0] != "threads"} == approx(
+        {k: v for k, v in delta.items() if k[0] != "threads"}
+    )
+    threads = {k: v for k, v in block.items() if k[0] == "threads"}
+    assert threads[("threads", "busy", "seconds")] > 0
+    # Two workers of one thread: at most two threads' seconds a second
+    assert 0 < sum(threads.values()) <= 2 * (after_time - before_time)
+    assert_breakdown(report, with_threads_of(delta, block))
+    assert report.threads_title.startswith("The workers' threads: busy ")
+    # A delta has no history: no threads over time in a report
+    assert "fine_metrics_threads_over_time" not in sources
 
 
 @gen_cluster(client=True)
