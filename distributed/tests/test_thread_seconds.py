@@ -4,12 +4,16 @@ cause; seceded tasks; tasks still running posted as they go.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import math
 import threading
 import time
 from collections.abc import Hashable
+from concurrent.futures import Executor
 
 import pytest
+
+import dask
 
 from distributed import Event, rejoin, secede
 from distributed.core import Status
@@ -374,6 +378,60 @@ async def test_rejoin_while_another_task_has_the_slot(c, s, a):
     # The 4 x 0.3 s ran one at a time in the one thread
     assert phase["busy"] >= 1.2
     assert phase.execute >= phase["busy"] - 1e-4
+
+
+class OtherExecutor(Executor):
+    """An executor of another kind than the worker's thread pool"""
+
+    def __init__(self) -> None:
+        self._pool = concurrent.futures.ThreadPoolExecutor(1)
+
+    def submit(self, fn, /, *args, **kwargs):
+        return self._pool.submit(fn, *args, **kwargs)
+
+    def shutdown(self, wait=True, **kwargs):
+        self._pool.shutdown(wait=wait)
+
+
+@gen_cluster(
+    client=True,
+    nthreads=[("", 1)],
+    worker_kwargs={"executor": {"other": OtherExecutor()}},
+)
+async def test_task_in_another_executor_holds_its_thread(c, s, a):
+    with Phase(a) as phase:
+        with dask.annotate(executor="other"):
+            x = c.submit(sleep_task, 0.3, key="other-1")
+        assert await x == 0.3
+    assert phase["busy"] == pytest.approx(0.3, rel=0.3)
+    phase.assert_partition()
+
+
+#: Lets away_until_set() return (the workers of gen_cluster share the process)
+AWAY = threading.Event()
+
+
+def away_until_set() -> int:
+    secede()
+    AWAY.wait(10)
+    return 1
+
+
+@gen_cluster(client=True, nthreads=[("", 1)])
+async def test_worker_closes_while_a_task_is_out_of_the_pool(c, s, a):
+    """The instruction is over when the worker closes; its function, still
+    running, rejoining at its end must not take a thread of the account again
+    """
+    AWAY.clear()
+    x = c.submit(away_until_set, key="away-1")
+    await async_poll_for(lambda: a.state.long_running, timeout=5)
+    assert a.thread_seconds.busy == 0
+    await a.close()
+    assert a.thread_seconds.busy == 0
+    AWAY.set()
+    await asyncio.sleep(0.1)
+    assert a.thread_seconds.busy == 0
+    del x
 
 
 def record_finalized(monkeypatch) -> list[tuple[dict, list]]:
