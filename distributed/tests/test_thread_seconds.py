@@ -4,12 +4,10 @@ cause; seceded tasks; tasks still running posted as they go.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import math
 import threading
 import time
 from collections.abc import Hashable
-from concurrent.futures import Executor
 
 import pytest
 
@@ -18,6 +16,7 @@ import dask
 from distributed import Event, rejoin, secede
 from distributed.core import Status
 from distributed.metrics import ThreadSecondsAccount, context_meter, is_fine_metric
+from distributed.tests.test_worker_metrics import CustomExecutor
 from distributed.utils_test import BlockedGetData, async_poll_for, gen_cluster, inc
 from distributed.worker_state_machine import InstructionMetricsRecorder
 
@@ -380,23 +379,10 @@ async def test_rejoin_while_another_task_has_the_slot(c, s, a):
     assert phase.execute >= phase["busy"] - 1e-4
 
 
-class OtherExecutor(Executor):
-    """An executor of another kind than the worker's thread pool"""
-
-    def __init__(self) -> None:
-        self._pool = concurrent.futures.ThreadPoolExecutor(1)
-
-    def submit(self, fn, /, *args, **kwargs):
-        return self._pool.submit(fn, *args, **kwargs)
-
-    def shutdown(self, wait=True, **kwargs):
-        self._pool.shutdown(wait=wait)
-
-
 @gen_cluster(
     client=True,
     nthreads=[("", 1)],
-    worker_kwargs={"executor": {"other": OtherExecutor()}},
+    worker_kwargs={"executor": {"other": CustomExecutor()}},
 )
 async def test_task_in_another_executor_holds_its_thread(c, s, a):
     with Phase(a) as phase:
