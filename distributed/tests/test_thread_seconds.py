@@ -296,6 +296,38 @@ async def test_back_to_back_tasks_hand_over_their_thread(c, s, a, monkeypatch):
     )
 
 
+@gen_cluster(
+    client=True,
+    nthreads=[("", 2, {"resources": {"R": 1}})],
+    config={"distributed.scheduler.worker-saturation": math.inf},
+)
+async def test_task_that_finds_a_free_thread_starts_at_once(c, s, a, monkeypatch):
+    """A task that starts while the event loop handles the end of another waits for
+    that one's thread only if every thread is held; one that takes a free thread
+    starts its clock at once, as the account counts it
+    """
+    finalize = InstructionMetricsRecorder.finalize
+
+    def slow_end(self, *args, **kwargs):
+        # The end of "first" takes a while after "next" has started
+        if self.prefix == ("execute", "first"):
+            time.sleep(0.2)
+        return finalize(self, *args, **kwargs)
+
+    monkeypatch.setattr(InstructionMetricsRecorder, "finalize", slow_end)
+    with Phase(a) as phase:
+        # Both need the one R: "next" starts on the other thread when "first" ends
+        first = c.submit(sleep_task, 0.1, key="first-1", resources={"R": 1})
+        second = c.submit(
+            sleep_task, 0.1, key="next-1", resources={"R": 1}, priority=-1
+        )
+        await c.gather([first, second])
+    # "first" 0.1 s and its end 0.2 s; "next" from the start of that end until 0.1 s
+    # after it
+    assert phase["busy"] == pytest.approx(0.3 + 0.3, abs=0.1)
+    phase.assert_partition()
+
+
 @gen_cluster(client=True, nthreads=[("", 1)])
 async def test_async_task_holds_its_thread(c, s, a):
     async def f():
