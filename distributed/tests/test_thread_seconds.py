@@ -296,6 +296,12 @@ async def test_back_to_back_tasks_hand_over_their_thread(c, s, a, monkeypatch):
     )
 
 
+def wait_then_sleep(ev: Event, seconds: float) -> float:
+    ev.wait()
+    time.sleep(seconds)
+    return seconds
+
+
 @gen_cluster(
     client=True,
     nthreads=[("", 2, {"resources": {"R": 1}})],
@@ -304,27 +310,36 @@ async def test_back_to_back_tasks_hand_over_their_thread(c, s, a, monkeypatch):
 async def test_task_that_finds_a_free_thread_starts_at_once(c, s, a, monkeypatch):
     """A task that starts while the event loop handles the end of another waits for
     that one's thread only if every thread is held; one that takes a free thread
-    starts its clock at once, as the account counts it
+    starts its clock at once, as the thread account counts it from then
     """
     finalize = InstructionMetricsRecorder.finalize
+    intervals = {}
 
     def slow_end(self, *args, **kwargs):
         # The end of "first" takes a while after "next" has started
         if self.prefix == ("execute", "first"):
             time.sleep(0.2)
-        return finalize(self, *args, **kwargs)
+        out = finalize(self, *args, **kwargs)
+        intervals[self.prefix[1]] = (self.start, self.stop)
+        return out
 
     monkeypatch.setattr(InstructionMetricsRecorder, "finalize", slow_end)
+    ev = Event()
     with Phase(a) as phase:
-        # Both need the one R: "next" starts on the other thread when "first" ends
-        first = c.submit(sleep_task, 0.1, key="first-1", resources={"R": 1})
-        second = c.submit(
-            sleep_task, 0.1, key="next-1", resources={"R": 1}, priority=-1
+        # Both need the one R: "next" waits for "first", while the other thread is
+        # free, and starts on it when "first" ends
+        first = c.submit(wait_then_sleep, ev, 0.1, key="first-1", resources={"R": 1})
+        await async_poll_for(lambda: a.state.executing_count == 1, timeout=5)
+        second = c.submit(sleep_task, 0.1, key="next-1", resources={"R": 1})
+        await async_poll_for(
+            lambda: "next-1" in a.state.tasks
+            and a.state.tasks["next-1"].state == "constrained",
+            timeout=5,
         )
+        await ev.set()
         await c.gather([first, second])
-    # "first" 0.1 s and its end 0.2 s; "next" from the start of that end until 0.1 s
-    # after it
-    assert phase["busy"] == pytest.approx(0.3 + 0.3, abs=0.1)
+    # "next" started during the end of "first", on its own thread
+    assert intervals["next"][0] < intervals["first"][1]
     phase.assert_partition()
 
 
