@@ -5,13 +5,14 @@ carried on the events of the worker state machine.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import gc
 import threading
 import time
 import traceback
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import Any
 
@@ -27,6 +28,7 @@ from distributed import (
     Worker,
     get_client,
     get_worker,
+    rejoin,
     secede,
 )
 from distributed.compatibility import PeriodicCallback
@@ -55,6 +57,7 @@ from distributed.worker_state_machine import (
     GatherDepSuccessEvent,
     InstructionMetricsRecorder,
     RescheduleEvent,
+    Secession,
 )
 
 REMOVED_DIGESTS = {
@@ -660,6 +663,89 @@ async def test_no_leaks(c, s, a):
     # 205 tasks, each counted once
     evs = events_of(a, ExecuteSuccessEvent)
     assert len(evs) == min(205, a.state.stimulus_log.maxlen or 205)
+
+
+@contextlib.contextmanager
+def cyclic_garbage() -> Iterator[list[object]]:
+    """Collect in a list the objects that become garbage in the block and that
+    only the cyclic garbage collector can free: those in reference cycles, and
+    what they hold. The collector is off meanwhile.
+    """
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    found: list[object] = []
+    try:
+        yield found
+        gc.collect()
+        found.extend(gc.garbage)
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        if enabled:
+            gc.enable()
+
+
+def is_metering(o: object) -> bool:
+    """Whether ``o`` is an object of the fine metrics' own, or a context that holds
+    one (the context of an instruction or of its task's thread)
+    """
+    if isinstance(o, contextvars.Context):
+        return any(is_metering(v) for v in o.values())
+    if isinstance(o, tuple):
+        return any(is_metering(v) for v in o)
+    return isinstance(o, (InstructionMetricsRecorder, Secession)) or (
+        type(o).__module__ == "distributed.metrics"
+    )
+
+
+async def async_inc(x):
+    return x + 1
+
+
+def seceding_and_rejoining(x):
+    secede()
+    rejoin()
+    return x
+
+
+@gen_cluster(
+    client=True,
+    nthreads=[("", 2), ("", 2)],
+    worker_kwargs={"memory_limit": "1 GiB"},
+    config={
+        # Spill anything larger than ~1 MiB as soon as it's inserted
+        "distributed.worker.memory.target": 0.001,
+        "distributed.worker.memory.spill": False,
+        "distributed.worker.memory.pause": False,
+    },
+)
+async def test_no_reference_cycles(c, s, a, b):
+    """Metering leaves nothing to the cyclic garbage collector: its objects are
+    freed by reference counting as soon as an instruction is done. A cycle per task
+    would cost every task a share of the collector's passes over the whole heap.
+    Tried with tasks in a thread, async tasks, tasks that secede and rejoin, a
+    transfer between workers (gather-dep and get-data) and spilling.
+    """
+    with cyclic_garbage() as garbage:
+        futs = c.map(inc, range(20), key=[f"inc-{i}" for i in range(20)])
+        futs += c.map(async_inc, range(5), key=[f"async-{i}" for i in range(5)])
+        futs += c.map(
+            seceding_and_rejoining, range(3), key=[f"sec-{i}" for i in range(3)]
+        )
+        await c.gather(futs)
+        x = c.submit(make_big, key="x", workers=[a.address])
+        y = c.submit(len, x, key="y", workers=[b.address])
+        assert await y == 2_000_000
+        assert "x" in a.data.slow
+        assert activity_digests(a, "get-data")
+        assert activity_digests(b, "gather-dep")
+        assert not a._async_instructions and not b._async_instructions
+        del futs, x, y
+        await async_poll_for(lambda: not s.tasks, timeout=5)
+    assert garbage, "the garbage of the test itself should have been found"
+    assert not [o for o in garbage if is_metering(o)]
 
 
 @gen_cluster(client=True, nthreads=[("", 1)])
