@@ -846,6 +846,7 @@ def test_delayed_metrics_ledger_finalized():
         context_meter.digest_metric("b", 1, "seconds")
     ledger("c", 1, "seconds")
     ledger.add_phase("d", 1, 0)
+    ledger.add_thread_phase(1, 1, thread_root())
     assert [m[0] for m in out] == ["a", "other"]
     assert ledger.metrics is None
     assert ledger.seconds == 1
@@ -866,6 +867,16 @@ def test_delayed_metrics_ledger_add_phase(nested, expect):
     assert ledger.metrics[-1] == ("deserialize", expect, "seconds")
     # The phase counts towards the seconds of any enclosing phase
     assert ledger.seconds == 10 + nested + expect
+
+
+def thread_root(
+    nested: float = 0.0, nested_cpu: float = 0.0, waited: float = 0.0
+) -> metrics.ThreadRoot:
+    """The ThreadRoot of a function that ran in a thread, and received these"""
+    root = metrics.ThreadRoot(lambda: None, None, owned=True)
+    root()
+    root.nested, root.nested_cpu, root.waited = nested, nested_cpu, waited
+    return root
 
 
 @pytest.mark.parametrize(
@@ -891,7 +902,7 @@ def test_delayed_metrics_ledger_add_thread_phase(
 ):
     ledger = DelayedMetricsLedger()
     ledger("n", 7, "count")  # Not subtracted
-    ledger.add_thread_phase(5, 3, nested, nested_cpu)
+    ledger.add_thread_phase(5, 3, thread_root(nested, nested_cpu))
     assert ledger.metrics[-2:] == [
         ("thread-cpu", expect_cpu, "seconds"),
         ("thread-noncpu", expect_noncpu, "seconds"),
@@ -916,7 +927,7 @@ def test_delayed_metrics_ledger_add_thread_phase_waited(
     nested, nested_cpu, waited, expect_cpu, expect_noncpu
 ):
     ledger = DelayedMetricsLedger()
-    ledger.add_thread_phase(5, 3, nested, nested_cpu, waited)
+    ledger.add_thread_phase(5, 3, thread_root(nested, nested_cpu, waited))
     assert ledger.metrics == [
         ("thread-cpu", expect_cpu, "seconds"),
         ("thread-noncpu", expect_noncpu, "seconds"),
@@ -928,7 +939,7 @@ def test_delayed_metrics_ledger_add_thread_phase_cpu_exceeds_wall():
     as long as the wall time
     """
     ledger = DelayedMetricsLedger()
-    ledger.add_thread_phase(1.0, 1.5, 0.0, 0.0)
+    ledger.add_thread_phase(1.0, 1.5, thread_root())
     assert ledger.metrics == [
         ("thread-cpu", 1.0, "seconds"),
         ("thread-noncpu", 0.0, "seconds"),
@@ -941,7 +952,7 @@ def test_delayed_metrics_ledger_phases_finalize():
     ledger("a", 1.5, "seconds")
     ledger("n", 3, "count")
     ledger.add_phase("deserialize", 2, ledger.seconds)
-    ledger.add_thread_phase(5, 4, 0.0, 0.0)
+    ledger.add_thread_phase(5, 4, thread_root())
     clock.t = 110
     assert ledger.finalize() == [
         ("a", 1.5, "seconds"),

@@ -559,7 +559,7 @@ async def test_running_task_posts_at_each_delivery(c, s, a, monkeypatch):
     # ... and end where they would have ended without intermediate posts
     [(posted, rest)] = calls
     assert posted, "no interim post"
-    # (but for the microseconds between the recorder's and apply_function's reads
+    # (but for the microseconds between the ThreadRoot's and apply_function's reads
     # of the clocks when the task started)
     assert all(value >= -1e-4 for _, value, _ in rest), rest
     expect = without_interim(posted, rest)
@@ -594,7 +594,7 @@ async def test_interim_posts_leave_an_open_block_out(c, s, a, monkeypatch):
     [(posted, rest)] = calls
     assert posted
     assert posted.get("thread-noncpu", 0) < 0.05
-    # (but for the microseconds between the recorder's and apply_function's reads
+    # (but for the microseconds between the ThreadRoot's and apply_function's reads
     # of the clocks when the task started)
     assert all(value >= -1e-4 for _, value, _ in rest), rest
     expect = without_interim(posted, rest)

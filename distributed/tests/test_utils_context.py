@@ -138,15 +138,58 @@ class LoopRoot(MeterRoot):
 
 
 def test_in_thread_without_root():
-    """Without a root, a function is run in the thread as it is"""
+    """Without a root, a function is run in the thread as it is, in a copy of the
+    caller's context: what it meters nests into the caller's open block, which waits
+    for it, as it would in the caller
+    """
+    out = []
 
     def f():
-        pass
+        assert var.get() == "caller's"
+        with context_meter.meter("inner"):
+            time.sleep(0.01)
+        return metrics.current_root()
 
-    assert context_meter.in_thread(f) is f
-    with context_meter.add_callback(lambda *args: None):
-        with context_meter.meter("x"):
-            assert context_meter.in_thread(f) is f
+    token = var.set("caller's")
+    try:
+        with context_meter.add_callback(lambda *args: out.append(args)):
+            with context_meter.meter("outer", floor=False) as m:
+                func = context_meter.in_thread(f)
+                with ThreadPoolExecutor(1) as ex:
+                    root = ex.submit(func).result()
+    finally:
+        var.reset(token)
+    assert not isinstance(func, ThreadRoot)
+    assert root is None
+    [(inner_label, inner, _), (outer_label, outer, _)] = out
+    assert (inner_label, outer_label) == ("inner", "outer")
+    assert inner >= 0.01
+    assert outer == pytest.approx(m.delta - inner)
+
+
+@gen_test()
+async def test_offload_without_root_nests_what_it_starts():
+    """Without a root, what an offloaded function starts on the event loop and
+    doesn't wait for nests its own blocks as it would anywhere: nothing is counted
+    twice
+    """
+    loop = asyncio.get_running_loop()
+    out = []
+
+    async def on_loop():
+        with context_meter.meter("outer"):
+            with context_meter.meter("inner"):
+                await asyncio.sleep(0.05)
+
+    def in_thread():
+        return asyncio.run_coroutine_threadsafe(on_loop(), loop)
+
+    with context_meter.add_callback(lambda *args: out.append(args)):
+        future = await offload(in_thread)
+    await asyncio.wrap_future(future)
+    by_label = {label: value for label, value, _ in out}
+    assert by_label["inner"] >= 0.05
+    assert by_label["outer"] < 0.01
 
 
 @gen_test()
@@ -270,7 +313,13 @@ def test_thread_root_in_thread_root(owned):
     waits for it, with no block open: the seconds metered there reach the outer
     root (add_waited), not its CPU time, if the outer function was its own work
     """
-    outer = ThreadRoot(lambda f: f(), LoopRoot(), owned=owned)
+    out = []
+    outer = ThreadRoot(
+        lambda f: f(),
+        LoopRoot(),
+        owned=owned,
+        context=context_meter.new_context(lambda *args: out.append(args)),
+    )
 
     def inner():
         with context_meter.meter("x"):
@@ -280,14 +329,11 @@ def test_thread_root_in_thread_root(owned):
         assert metrics.current_root() is outer
         with ThreadPoolExecutor(1) as ex:
             func = context_meter.in_thread(inner)
-            assert isinstance(func, ThreadRoot)
             assert func.owned is owned
-            ex.submit(contextvars.copy_context().run, func).result()
+            ex.submit(func).result()
 
-    out = []
-    ctx = context_meter.new_context(lambda *args: out.append(args), root=outer)
     with ThreadPoolExecutor(1) as ex:
-        ex.submit(ctx.run, outer, wait_for_inner).result()
+        ex.submit(outer, wait_for_inner).result()
     [(label, value, unit)] = out
     assert label == "x"
     assert value >= 0.01
@@ -295,6 +341,94 @@ def test_thread_root_in_thread_root(owned):
     assert outer.nested == 0
     assert outer.nested_cpu == 0
     assert outer.waited == (value if owned else 0)
+
+
+class RecordingRoot(LoopRoot):
+    """A LoopRoot that records the secede() and rejoin() that reach it, and from
+    which thread
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def secede(self):
+        self.calls.append(("secede", threading.get_ident()))
+
+    def rejoin(self):
+        self.calls.append(("rejoin", threading.get_ident()))
+
+
+def test_thread_root_secession():
+    """A function that leaves its thread pool: its ThreadRoot keeps its time out of
+    the pool, passes secede() and rejoin() on to the caller's root, and tells what
+    the function spent so far while it is out. A function that it hands to a thread
+    of its own, and that secedes, can't make it secede: its thread is still held,
+    waiting.
+    """
+    caller = RecordingRoot()
+    away = threading.Event()
+    checked = threading.Event()
+    outer = ThreadRoot(lambda f: f(), caller, owned=True)
+
+    def child():
+        metrics.current_root().secede()
+        metrics.current_root().rejoin()
+
+    def func():
+        with ThreadPoolExecutor(1) as ex:
+            ex.submit(context_meter.in_thread(child)).result()
+        assert outer.secession is None
+        t0 = metrics.thread_time()
+        while metrics.thread_time() - t0 < 0.02:
+            pass
+        metrics.current_root().secede()
+        time.sleep(0.05)
+        away.set()
+        checked.wait(5)
+        metrics.current_root().rejoin()
+        return threading.get_ident()
+
+    with ThreadPoolExecutor(1) as ex:
+        future = ex.submit(outer, func)
+        assert away.wait(5)
+        so_far = outer.so_far()
+        checked.set()
+        ident = future.result()
+
+    assert caller.calls == [("secede", ident), ("rejoin", ident)]
+    assert outer.secession.total[0] >= 0.05
+    assert not outer.secession.away
+    # None where the platform can't read another thread's CPU clock
+    if so_far is not None:
+        labels = dict(so_far)
+        assert list(labels) == ["seceded", "thread-cpu", "thread-noncpu"]
+        assert labels["seceded"] >= 0.05
+        assert labels["thread-cpu"] >= 0.015
+    assert outer.so_far() is None  # Not running any more
+    assert outer.parent is None  # Let go of once it ran
+    phase = dict(outer.phase(1.0, 0.5))
+    assert phase["seceded"] == pytest.approx(outer.secession.total[0])
+    assert phase["thread-cpu"] + phase["thread-noncpu"] == pytest.approx(
+        1.0 - phase["seceded"]
+    )
+
+
+@pytest.mark.skipif(
+    not hasattr(time, "pthread_getcpuclockid"), reason="no per-thread CPU clocks"
+)
+def test_thread_cpu_time():
+    """The CPU time of a thread, read with the id of its clock from another thread;
+    None once the thread is gone
+    """
+    clocks = []
+    t = threading.Thread(target=lambda: clocks.append(metrics.thread_cpu_clock()))
+    t.start()
+    t.join()
+    [clock] = clocks
+    assert metrics.thread_cpu_time(clock) is None
+    own = metrics.thread_cpu_clock()
+    assert metrics.thread_cpu_time(own) == pytest.approx(time.thread_time(), abs=0.01)
 
 
 def test_thread_root_runs_once():

@@ -33,7 +33,7 @@ from distributed import (
 )
 from distributed.compatibility import PeriodicCallback
 from distributed.core import Status
-from distributed.metrics import _callbacks_var, context_meter, current_root
+from distributed.metrics import ThreadRoot, _callbacks_var, context_meter, current_root
 from distributed.spill import SpillBuffer
 from distributed.tests.test_worker_state_machine_metrics import recording
 from distributed.utils import sync
@@ -58,7 +58,6 @@ from distributed.worker_state_machine import (
     GatherDepSuccessEvent,
     InstructionMetricsRecorder,
     RescheduleEvent,
-    Secession,
 )
 
 REMOVED_DIGESTS = {
@@ -195,8 +194,7 @@ def wait_for_own_thread():
         context_meter.digest_metric("my-bare", time.perf_counter() - t0, "seconds")
 
     with ThreadPoolExecutor(1) as ex:
-        func = context_meter.in_thread(sleep_metered)
-        ex.submit(contextvars.copy_context().run, func).result()
+        ex.submit(context_meter.in_thread(sleep_metered)).result()
 
 
 def burn_then_wait_for_threads():
@@ -208,10 +206,7 @@ def burn_then_wait_for_threads():
             time.sleep(0.2)
 
     with ThreadPoolExecutor(4) as ex:
-        futures = [
-            ex.submit(contextvars.copy_context().run, context_meter.in_thread(f))
-            for f in [sleep_metered] * 4
-        ]
+        futures = [ex.submit(context_meter.in_thread(f)) for f in [sleep_metered] * 4]
         for future in futures:
             future.result()
 
@@ -233,25 +228,30 @@ seen_roots: list = []
 
 def record_root():
     root = current_root()
-    seen_roots.append((root, root.is_current(), root.wants_cpu))
+    seen_roots.append((root, root.is_current(), root.parent))
 
 
 @gen_cluster(client=True, nthreads=[("", 1)])
-async def test_execute_recorder_is_the_root_of_the_thread(c, s, a):
-    """In the task's thread, the instruction's recorder is the root, current, and
-    asks blocks for their CPU time; not once the task is done
+async def test_execute_thread_root(c, s, a):
+    """In the task's thread, the root is a ThreadRoot, current, whose caller is the
+    instruction's recorder; once the task is done, the root is over and the
+    recorder finalized, and neither holds the other
     """
     await c.submit(record_root, key="f-1")
     try:
-        [(root, current, wants_cpu)] = seen_roots
+        [(root, current, parent)] = seen_roots
     finally:
         seen_roots.clear()  # Don't keep the recorder alive
-    assert isinstance(root, InstructionMetricsRecorder)
+    assert isinstance(root, ThreadRoot)
     assert current is True
-    assert wants_cpu is True
-    assert root.executor_thread is None
-    assert root.wants_cpu is False
-    assert root.metrics is None  # Finalized
+    assert root.wants_cpu is True
+    assert isinstance(parent, InstructionMetricsRecorder)
+    assert parent.prefix == ("execute", "f")
+    assert root.thread is None
+    assert root.context is None
+    assert root.parent is None
+    assert parent.metrics is None  # Finalized
+    assert parent.thread_root is None
 
 
 @gen_cluster(client=True, nthreads=[("", 1)])
@@ -707,7 +707,7 @@ def is_metering(o: object) -> bool:
         return any(is_metering(v) for v in o.values())
     if isinstance(o, tuple):
         return any(is_metering(v) for v in o)
-    return isinstance(o, (InstructionMetricsRecorder, Secession)) or (
+    return isinstance(o, InstructionMetricsRecorder) or (
         type(o).__module__ == "distributed.metrics"
     )
 
@@ -1234,19 +1234,21 @@ def test_apply_function_simple_msg():
 
 @gen_cluster(client=True, nthreads=[("", 1)])
 async def test_execute_not_metered(c, s, a, monkeypatch):
-    """Worker.execute also works outside of a metered instruction, e.g. when called
-    by a subclass: it then records no phases of its own
+    """Worker.execute also works outside of a metered instruction, e.g. when a
+    subclass starts its instructions without a recorder: nothing is recorded or
+    posted, and no thread is counted as held
     """
-    monkeypatch.setattr(a, "_instruction_metrics", lambda: None)
+    start = a._start_async_instruction
+    monkeypatch.setattr(
+        a,
+        "_start_async_instruction",
+        lambda coro, name, prefix: start(coro, name, None),
+    )
     assert await c.submit(emit_and_sleep, 1, key="f-1") == 2
     [ev] = events_of(a, ExecuteSuccessEvent, "f-1")
-    # What the task and the ledger post is still there
-    assert [label for label, _, _ in ev.metrics] == [
-        "my-sleep",
-        ("ping", "x"),
-        "my-bytes",
-        "other",
-    ]
+    assert ev.metrics == []
+    assert not execute_digests(a, "f")
+    assert a.thread_seconds.busy == 0
 
 
 def big_run_spec_func(x):

@@ -16,6 +16,7 @@ import pytest
 import distributed.worker_state_machine as wsm
 from distributed.metrics import DelayedMetricsLedger, MeterRoot, context_meter
 from distributed.protocol.serialize import Serialize
+from distributed.tests.test_metrics import FakeClock
 from distributed.utils import recursive_to_dict
 from distributed.utils_test import async_poll_for, gen_test
 from distributed.worker_state_machine import (
@@ -581,31 +582,38 @@ class PhaseMockWorker(MetricsMockWorker):
     """A BaseWorker whose execute() measures its own phases, like Worker does"""
 
     async def execute(self, key, *, stimulus_id):
-        recorder = self._instruction_metrics()
+        recorder = self._instruction_recorder()
         assert recorder is not None
         assert recorder.prefix == ("execute", key)
         mark = recorder.seconds
         context_meter.digest_metric("inner", 0.25, "seconds")
         recorder.add_phase("outer", 1.0, mark)
+        with context_meter.meter("block", func=self.clock):
+            self.clock.t += 1
         return self.execute_events[key]
 
     async def retry_busy_worker_later(self, worker):
         # Not metered
-        self.retry_recorder = self._instruction_metrics()
+        self.retry_recorder = self._instruction_recorder()
 
 
 @gen_test()
-async def test_base_worker_instruction_metrics(ws):
+async def test_base_worker_instruction_recorder(ws):
     """The instruction that runs in the current asyncio task can find its recorder,
-    and record its own phases there
+    and record its own phases there; what it meters reaches the recorder too
     """
     w = PhaseMockWorker(ws)
-    assert w._instruction_metrics() is None
+    w.clock = FakeClock()
+    assert w._instruction_recorder() is None
     w.execute_events["x"] = ev = ExecuteSuccessEvent.dummy("x", 1, stimulus_id="s2")
     w.handle_stimulus(ComputeTaskEvent.dummy("x", stimulus_id="s1"))
     await async_poll_for(lambda: not w._async_instructions, timeout=5)
-    assert ev.metrics[:2] == [("inner", 0.25, "seconds"), ("outer", 0.75, "seconds")]
-    assert [m[0] for m in ev.metrics] == ["inner", "outer", "other"]
+    assert ev.metrics[:3] == [
+        ("inner", 0.25, "seconds"),
+        ("outer", 0.75, "seconds"),
+        ("block", 1, "seconds"),
+    ]
+    assert [m[0] for m in ev.metrics] == ["inner", "outer", "block", "other"]
 
     w.retry_recorder = "not set"
     w._start_async_instruction(w.retry_busy_worker_later("w"), "retry", None)
