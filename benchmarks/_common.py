@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextvars
+import ctypes
 import gc
 import json
 import math
@@ -89,6 +90,30 @@ def emit(figures: Mapping[str, FigureValue | bool | str]) -> None:
         if isinstance(value, float) and not math.isfinite(value):
             raise ValueError(f"figure {name} is not finite: {value}")
     print(json.dumps(figures), flush=True)
+
+
+#: The environment variable that names the shared library built from section.c,
+#: which marks the measured section for callgrind (see :func:`measured_section`)
+SECTION_LIB_VAR = "BENCH_SECTION_LIB"
+
+
+@contextmanager
+def measured_section() -> Iterator[None]:
+    """Mark the block as the measured section of the script: under callgrind, with
+    the library built from ``section.c`` named by ``BENCH_SECTION_LIB``, the counts
+    are zeroed when the block starts and dumped when it ends (see
+    ``instructions.py --section``). Without it, do nothing.
+    """
+    path = os.environ.get(SECTION_LIB_VAR)
+    if not path:
+        yield
+        return
+    lib = ctypes.CDLL(path)
+    lib.section_start()
+    try:
+        yield
+    finally:
+        lib.section_stop()
 
 
 def fine_metrics_api() -> Any | None:

@@ -12,7 +12,8 @@ gets the tasks in large batches; with ``--queuing`` it is left at its default
 the worker then holds one or two tasks at a time, and every task or two costs a
 round trip to the scheduler. With ``--quiet``, the worker and the scheduler do
 no per-second work (see ``_common.QUIET_CONFIG``), for counting what they do per
-task.
+task. The tasks, from submission until every one is done, are the measured
+section (``_common.measured_section``) of ``instructions.py --section``.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from _common import (
     check_size,
     cluster,
     emit,
+    measured_section,
     noop,
     size_parser,
     stop_periodic_callbacks,
@@ -44,8 +46,9 @@ def run(size: int, quiet: bool = False, queuing: bool = False) -> dict[str, floa
 
         cpu0 = time.process_time()
         wall0 = time.perf_counter()
-        futures = client.map(noop, range(size))
-        wait(futures)
+        with measured_section():
+            futures = client.map(noop, range(size))
+            wait(futures)
         wall = time.perf_counter() - wall0
         cpu = time.process_time() - cpu0
         del futures

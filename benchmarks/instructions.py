@@ -33,11 +33,21 @@ a real one, and vary with the speed of the machine: both workloads turn it off
 is nearly the same on both sides (the fork reads the CPU clock of the task's
 thread twice more per task), the ratio of CPU time is closer to 1 than this.
 
+With ``--section``, the in-process workloads are counted by callgrind instead,
+in one run of the larger size per side, and only over the tasks themselves:
+``bench_trivial.py`` marks them, from submission until every one is done, as
+its measured section (``_common.measured_section``, with a small library built
+from ``section.c`` that zeroes the counts where the section starts and dumps
+them where it ends). Start-up, warm-up and shutdown are left out without taking
+a difference of two runs, which adds the noise of both; the release of the
+tasks after the section is left out too. It needs a C compiler and valgrind's
+headers (Debian's ``valgrind`` package has them).
+
 Usage::
 
     python benchmarks/instructions.py --fork PYTHON_A --pristine PYTHON_B
         [--workload trivial|trivial-default|worker] [--sizes 200 1700]
-        [--pairs 2]
+        [--pairs 2] [--section]
 
 Exit status: 0 if every run succeeded, 1 otherwise.
 """
@@ -51,6 +61,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 from collections.abc import Sequence
 
 from run import HERE, TIMEOUT, add_interpreter_arguments, child_env, interpreters
@@ -66,6 +77,16 @@ WORKLOADS = ("trivial", "trivial-default", "worker")
 TRIVIAL_ARGS = {"trivial": ["--quiet"], "trivial-default": ["--quiet", "--queuing"]}
 #: The total that cachegrind prints on stderr at exit, after the process id
 TOTAL_RE = re.compile(r"^==(\d+)== I\s+refs:\s+([\d,]+)\s*$", re.MULTILINE)
+#: How callgrind runs the counted process with ``--section``; the counts of the
+#: measured section go to a dump of their own, the first after the file named by
+#: ``--callgrind-out-file`` (see section.c)
+SECTION_ARGS = ["--tool=callgrind", "--dump-instr=no"]
+#: The environment variable that names the library built from section.c; the
+#: same as ``_common.SECTION_LIB_VAR``, which the scripts read
+SECTION_LIB_VAR = "BENCH_SECTION_LIB"
+#: What the section's dump says of itself, and its total
+SECTION_DESC = "desc: Trigger: Client Request: section"
+SUMMARY_RE = re.compile(r"^summary:\s+(\d+)\s*$", re.MULTILINE)
 
 
 def parse_total(stderr: str, pid: int | None = None) -> int:
@@ -91,21 +112,77 @@ def count(workload: str, stdout: str, stderr: str) -> int:
     return parse_total(stderr)
 
 
+def parse_section(dump: str) -> int:
+    """The instructions of the measured section, from the text of its callgrind
+    dump
+    """
+    totals = SUMMARY_RE.findall(dump)
+    if SECTION_DESC not in dump or len(totals) != 1:
+        head = "\n".join(dump.strip().splitlines()[:15])
+        raise RuntimeError(f"Not the dump of a measured section:\n{head}")
+    return int(totals[0])
+
+
+def section_dump(out: str) -> str:
+    """The text of the measured section's dump of a run whose callgrind file is
+    ``out``; an error if the run made none (a script without the section)
+    """
+    try:
+        with open(f"{out}.1") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise RuntimeError(
+            f"No dump of a measured section next to {out}: "
+            "does the script mark one (_common.measured_section)?"
+        ) from None
+
+
+def build_section_lib(directory: str) -> str:
+    """Build section.c into a shared library in ``directory``; return its path.
+    Exit if there is no C compiler, or no valgrind headers to build it with.
+    """
+    cc = shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        sys.exit("--section needs a C compiler (Debian: apt-get install gcc)")
+    lib = os.path.join(directory, "libsection.so")
+    proc = subprocess.run(
+        [cc, "-shared", "-fPIC", "-O2", "-o", lib, str(HERE / "section.c")],
+        capture_output=True,
+        text=True,
+    )
+    if proc.returncode:
+        sys.exit(
+            "Could not build section.c; it needs valgrind's headers "
+            f"(valgrind/callgrind.h, in Debian's valgrind):\n{proc.stderr}"
+        )
+    return lib
+
+
 def per_task(small: int, large: int, sizes: tuple[int, int]) -> float:
     """Instructions per task, from the totals at the two sizes"""
     return (large - small) / (sizes[1] - sizes[0])
 
 
-def command(workload: str, valgrind: str, python: str, size: int) -> list[str]:
-    """The command line of one run; cachegrind reports on its stderr"""
+def command(
+    workload: str, valgrind: str, python: str, size: int, out: str | None = None
+) -> list[str]:
+    """The command line of one run; cachegrind reports on its stderr. With
+    ``out``, callgrind counts the run instead, into that file, and its measured
+    section into a dump of its own (``--section``; in-process workloads only).
+    """
     if workload == "worker":
+        if out is not None:
+            raise ValueError("the worker workload has no measured section")
         # The script runs the worker under the prefix given after --
         script, extra = "worker_process.py", ["--", valgrind, *VALGRIND_ARGS]
     else:
         script, extra = "bench_trivial.py", TRIVIAL_ARGS[workload]
+    tool = (
+        VALGRIND_ARGS if out is None else [*SECTION_ARGS, f"--callgrind-out-file={out}"]
+    )
     return [
         valgrind,
-        *VALGRIND_ARGS,
+        *tool,
         python,
         str(HERE / script),
         "--size",
@@ -115,25 +192,77 @@ def command(workload: str, valgrind: str, python: str, size: int) -> list[str]:
 
 
 def start(
-    workload: str, valgrind: str, python: str, size: int, cpu: int | None
+    workload: str,
+    valgrind: str,
+    python: str,
+    size: int,
+    cpu: int | None,
+    out: str | None = None,
+    lib: str | None = None,
 ) -> subprocess.Popen:
     """Start a run of ``workload``, pinned to ``cpu`` if given (the worker's process
-    inherits it)
+    inherits it). With ``out`` and ``lib`` (``--section``), under callgrind, into
+    ``out``, the script marking its measured section with the library ``lib``.
     """
 
     def pin() -> None:
         if cpu is not None:
             os.sched_setaffinity(0, {cpu})
 
+    env = child_env()
+    if lib is not None:
+        env[SECTION_LIB_VAR] = lib
     return subprocess.Popen(
-        command(workload, valgrind, python, size),
+        command(workload, valgrind, python, size, out),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=child_env(),
+        env=env,
         cwd=HERE,
         preexec_fn=pin,
     )
+
+
+def run_both(
+    workload: str,
+    valgrind: str,
+    pythons: dict[str, str],
+    size: int,
+    cpus: list[int | None],
+    outs: dict[str, str] | None = None,
+    lib: str | None = None,
+) -> dict[str, tuple[str, str]]:
+    """Run both sides at the same time, with ``size`` tasks (and, with ``outs``
+    and ``lib``, a measured section: see :func:`start`); their stdout and stderr.
+    If one fails, the other is stopped, and this raises.
+    """
+    procs = {
+        side: start(
+            workload,
+            valgrind,
+            python,
+            size,
+            cpu,
+            None if outs is None else outs[side],
+            lib,
+        )
+        for (side, python), cpu in zip(pythons.items(), cpus)
+    }
+    results = {}
+    try:
+        for side, proc in procs.items():
+            stdout, stderr = proc.communicate(timeout=TIMEOUT)
+            if proc.returncode:
+                tail = "\n".join(stderr.strip().splitlines()[-15:])
+                raise RuntimeError(f"{side} exited with {proc.returncode}:\n{tail}")
+            results[side] = (stdout, stderr)
+    finally:
+        # Don't leave the other side running when one fails
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return results
 
 
 def run_pair(
@@ -142,27 +271,26 @@ def run_pair(
     pythons: dict[str, str],
     sizes: tuple[int, int],
     cpus: list[int | None],
+    lib: str | None = None,
 ) -> dict[str, float]:
-    """Instructions per task of each side, both sides running at the same time"""
+    """Instructions per task of each side, both sides running at the same time:
+    from a run at each size; or, with ``lib`` (``--section``, see
+    :func:`build_section_lib`), from the measured section of a run at the larger
+    size, its callgrind files in a new directory beside ``lib``
+    """
+    if lib is not None:
+        size = sizes[1]
+        directory = tempfile.mkdtemp(dir=os.path.dirname(lib))
+        outs = {side: os.path.join(directory, f"{side}.out") for side in pythons}
+        run_both(workload, valgrind, pythons, size, cpus, outs, lib)
+        return {
+            side: parse_section(section_dump(out)) / size for side, out in outs.items()
+        }
     totals: dict[str, list[int]] = {side: [] for side in pythons}
     for size in sizes:
-        procs = {
-            side: start(workload, valgrind, python, size, cpu)
-            for (side, python), cpu in zip(pythons.items(), cpus)
-        }
-        try:
-            for side, proc in procs.items():
-                stdout, stderr = proc.communicate(timeout=TIMEOUT)
-                if proc.returncode:
-                    tail = "\n".join(stderr.strip().splitlines()[-15:])
-                    raise RuntimeError(f"{side} exited with {proc.returncode}:\n{tail}")
-                totals[side].append(count(workload, stdout, stderr))
-        finally:
-            # Don't leave the other side running when one fails
-            for proc in procs.values():
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
+        results = run_both(workload, valgrind, pythons, size, cpus)
+        for side, (stdout, stderr) in results.items():
+            totals[side].append(count(workload, stdout, stderr))
     return {side: per_task(t[0], t[1], sizes) for side, t in totals.items()}
 
 
@@ -202,11 +330,20 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--pairs", type=int, default=2, help="pairs of runs (default: 2)"
     )
+    parser.add_argument(
+        "--section",
+        action="store_true",
+        help="count only the tasks, from submission until every one is done, "
+        "with callgrind, in one run of the larger size per side (in-process "
+        "workloads only; needs a C compiler and valgrind's headers)",
+    )
     args = parser.parse_args(argv)
     if not 0 < args.sizes[0] < args.sizes[1]:
         parser.error("--sizes must be two increasing positive numbers")
     if args.pairs < 1:
         parser.error("--pairs must be positive")
+    if args.section and args.workload == "worker":
+        parser.error("--section counts the in-process workloads only")
     return args
 
 
@@ -217,12 +354,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.exit("valgrind is not installed (Debian: apt-get install valgrind)")
     pythons = interpreters(args)
     sizes = tuple(args.sizes)
+    with tempfile.TemporaryDirectory(prefix="bench-section-") as directory:
+        lib = build_section_lib(directory) if args.section else None
+        return report(args, valgrind, pythons, sizes, lib)
+
+
+def report(
+    args: argparse.Namespace,
+    valgrind: str,
+    pythons: dict[str, str],
+    sizes: tuple[int, int],
+    lib: str | None,
+) -> int:
+    """Run the pairs, print a line each and the median ratio; the exit status"""
     ratios = []
-    print(f"Workload: {args.workload}")
+    method = " (measured section)" if lib is not None else ""
+    print(f"Workload: {args.workload}{method}")
     print(f"{'pair':>4}  {'fork':>12}  {'pristine':>12}  {'ratio':>6}")
     for i in range(args.pairs):
         try:
-            counts = run_pair(args.workload, valgrind, pythons, sizes, pair_cpus(i))
+            counts = run_pair(
+                args.workload, valgrind, pythons, sizes, pair_cpus(i), lib
+            )
         except (RuntimeError, subprocess.TimeoutExpired) as e:
             print(f"Pair {i + 1} failed: {e}", file=sys.stderr)
             return 1

@@ -186,6 +186,40 @@ def common() -> Iterator[ModuleType]:
         sys.path.remove(str(BENCH))
 
 
+class FakeSectionLib:
+    """Stands for the library built from section.c: records its calls"""
+
+    def __init__(self, path: str, calls: list[str]):
+        calls.append(f"load {path}")
+        self.calls = calls
+
+    def section_start(self) -> None:
+        self.calls.append("start")
+
+    def section_stop(self) -> None:
+        self.calls.append("stop")
+
+
+def test_measured_section(common: ModuleType, monkeypatch) -> None:
+    """Without the library, the section does nothing; with it, it is marked at both
+    ends, also when the block raises
+    """
+    calls: list[str] = []
+    monkeypatch.setattr(common.ctypes, "CDLL", lambda path: FakeSectionLib(path, calls))
+    monkeypatch.delenv(common.SECTION_LIB_VAR, raising=False)
+    with common.measured_section():
+        calls.append("block")
+    assert calls == ["block"]
+
+    calls.clear()
+    monkeypatch.setenv(common.SECTION_LIB_VAR, "/tmp/libsection.so")
+    with pytest.raises(ZeroDivisionError):
+        with common.measured_section():
+            calls.append("block")
+            1 / 0
+    assert calls == ["load /tmp/libsection.so", "start", "block", "stop"]
+
+
 # Upstream's synchronous LocalCluster, under tornado 6.2
 @pytest.mark.filterwarnings("ignore:make_current is deprecated:DeprecationWarning")
 def test_quiet_cluster(common: ModuleType) -> None:

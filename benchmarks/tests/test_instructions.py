@@ -24,6 +24,27 @@ STDERR = """\
 ==25052== I   refs:      2,982,664,681
 """
 
+#: The head of the dump of a measured section, as callgrind writes it (3.19)
+SECTION_DUMP = """\
+# callgrind format
+version: 1
+creator: callgrind-3.19.0
+pid: 1173
+cmd:  python bench_trivial.py --size 1700 --quiet
+part: 2
+
+
+desc: I1 cache:
+desc: Trigger: Client Request: section
+
+positions: line
+events: Ir
+summary: 4013467212
+
+
+totals: 4013899302
+"""
+
 
 @pytest.fixture(scope="module")
 def instructions() -> ModuleType:
@@ -116,6 +137,58 @@ def test_default_workload(instructions):
     assert args.workload == "trivial"
 
 
+def test_command_section(instructions):
+    """With --section, callgrind counts the in-process cluster into the file given"""
+    section = instructions.command(
+        "trivial-default", "/usr/bin/valgrind", "py", 200, "/tmp/x/fork.out"
+    )
+    assert section == [
+        "/usr/bin/valgrind",
+        *instructions.SECTION_ARGS,
+        "--callgrind-out-file=/tmp/x/fork.out",
+        "py",
+        str(BENCH / "bench_trivial.py"),
+        "--size",
+        "200",
+        "--quiet",
+        "--queuing",
+    ]
+    with pytest.raises(ValueError, match="no measured section"):
+        instructions.command("worker", "/usr/bin/valgrind", "py", 200, "/tmp/x/f")
+
+
+def test_parse_section(instructions):
+    assert instructions.parse_section(SECTION_DUMP) == 4_013_467_212
+
+
+@pytest.mark.parametrize(
+    "dump",
+    [
+        # The dump at the end of the run, not the section's
+        SECTION_DUMP.replace("Client Request: section", "Program termination"),
+        SECTION_DUMP.replace("summary: 4013467212\n", ""),
+        "",
+    ],
+)
+def test_parse_section_bad_dump(instructions, dump):
+    with pytest.raises(RuntimeError, match="Not the dump of a measured section"):
+        instructions.parse_section(dump)
+
+
+def test_section_dump(instructions, tmp_path):
+    out = tmp_path / "fork.out"
+    (tmp_path / "fork.out.1").write_text(SECTION_DUMP)
+    assert instructions.section_dump(str(out)) == SECTION_DUMP
+    with pytest.raises(RuntimeError, match="No dump of a measured section"):
+        instructions.section_dump(str(tmp_path / "pristine.out"))
+
+
+def test_section_lib_var(instructions):
+    """The scripts read the variable that the driver sets"""
+    common = (BENCH / "_common.py").read_text()
+    assert f'SECTION_LIB_VAR = "{instructions.SECTION_LIB_VAR}"' in common
+
+
 def test_pair_cpus(instructions):
     a, b = instructions.pair_cpus(0), instructions.pair_cpus(1)
     assert a == b[::-1]
@@ -129,6 +202,7 @@ def test_pair_cpus(instructions):
         (["--sizes", "0", "10"], "--sizes must be two increasing"),
         (["--pairs", "0"], "--pairs must be positive"),
         (["--workload", "cluster"], "invalid choice"),
+        (["--section", "--workload", "worker"], "--section counts the in-process"),
     ],
 )
 def test_bad_arguments(instructions, capsys, argv, message):
@@ -145,8 +219,17 @@ def test_no_valgrind(instructions, monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("valgrind") is None, reason="needs valgrind")
-@pytest.mark.parametrize("workload", ["worker", "trivial", "trivial-default"])
-def test_end_to_end(tmp_path, workload):
+@pytest.mark.parametrize(
+    "workload, method",
+    [
+        ("worker", []),
+        ("trivial", []),
+        ("trivial-default", []),
+        ("trivial", ["--section"]),
+    ],
+    ids=["worker", "trivial", "trivial-default", "trivial-section"],
+)
+def test_end_to_end(tmp_path, workload, method):
     """The interpreter running the tests on both sides: an A/A pair. One side is
     given by a path relative to the caller's directory, as make does.
     """
@@ -167,6 +250,7 @@ def test_end_to_end(tmp_path, workload):
             "1",
             "--workload",
             workload,
+            *method,
         ],
         capture_output=True,
         text=True,
@@ -175,7 +259,8 @@ def test_end_to_end(tmp_path, workload):
     )
     assert proc.returncode == 0, proc.stderr
     *_, header, _, row, summary = proc.stdout.strip().splitlines()
-    assert header == f"Workload: {workload}"
+    suffix = " (measured section)" if method else ""
+    assert header == f"Workload: {workload}{suffix}"
     pair, fork, pristine, ratio = row.split()
     assert pair == "1"
     assert int(fork.replace(",", "")) > 0
@@ -189,7 +274,7 @@ def test_run_pair_failure_stops_the_other_side(instructions, monkeypatch):
     """When one side fails, the pair raises and the other side does not run on"""
     started = []
 
-    def fake_start(workload, valgrind, python, size, cpu):
+    def fake_start(workload, valgrind, python, size, cpu, out=None, lib=None):
         code = (
             "import sys; sys.exit(3)"
             if python == "bad"
