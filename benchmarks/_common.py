@@ -93,7 +93,8 @@ def emit(figures: Mapping[str, FigureValue | bool | str]) -> None:
 
 
 #: The environment variable that names the shared library built from section.c,
-#: which marks the measured section for callgrind (see :func:`measured_section`)
+#: which marks the measured section for callgrind (see :func:`measured_section`);
+#: the same as ``run.SECTION_LIB_VAR``, which the drivers set or clear
 SECTION_LIB_VAR = "BENCH_SECTION_LIB"
 
 

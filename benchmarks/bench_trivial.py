@@ -44,13 +44,13 @@ def run(size: int, quiet: bool = False, queuing: bool = False) -> dict[str, floa
         # Warm up: deserialize the function, fill caches, start the thread pool
         wait(client.map(noop, range(min(size, 100)), key="warmup"))
 
-        cpu0 = time.process_time()
-        wall0 = time.perf_counter()
         with measured_section():
+            cpu0 = time.process_time()
+            wall0 = time.perf_counter()
             futures = client.map(noop, range(size))
             wait(futures)
-        wall = time.perf_counter() - wall0
-        cpu = time.process_time() - cpu0
+            wall = time.perf_counter() - wall0
+            cpu = time.process_time() - cpu0
         del futures
     return {"tasks_per_s": size / wall, "cpu_us_per_task": cpu / size * 1e6}
 

@@ -54,6 +54,8 @@ Exit status: 0 if every run succeeded, 1 otherwise.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import glob
 import json
 import os
 import re
@@ -63,8 +65,16 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Sequence
+from dataclasses import dataclass
 
-from run import HERE, TIMEOUT, add_interpreter_arguments, child_env, interpreters
+from run import (
+    HERE,
+    SECTION_LIB_VAR,
+    TIMEOUT,
+    add_interpreter_arguments,
+    child_env,
+    interpreters,
+)
 
 #: How valgrind runs the counted process
 VALGRIND_ARGS = [
@@ -77,14 +87,14 @@ WORKLOADS = ("trivial", "trivial-default", "worker")
 TRIVIAL_ARGS = {"trivial": ["--quiet"], "trivial-default": ["--quiet", "--queuing"]}
 #: The total that cachegrind prints on stderr at exit, after the process id
 TOTAL_RE = re.compile(r"^==(\d+)== I\s+refs:\s+([\d,]+)\s*$", re.MULTILINE)
-#: How callgrind runs the counted process with ``--section``; the counts of the
-#: measured section go to a dump of their own, the first after the file named by
-#: ``--callgrind-out-file`` (see section.c)
-SECTION_ARGS = ["--tool=callgrind", "--dump-instr=no"]
-#: The environment variable that names the library built from section.c; the
-#: same as ``_common.SECTION_LIB_VAR``, which the scripts read
-SECTION_LIB_VAR = "BENCH_SECTION_LIB"
-#: What the section's dump says of itself, and its total
+#: How callgrind runs the counted process with ``--section``. The counts of all
+#: threads are pooled (``--separate-threads=no``, the default, which section.c
+#: relies on), and the measured section's go to a dump of their own, numbered
+#: after the file named by ``--callgrind-out-file`` (``OUT.1``)
+SECTION_ARGS = ["--tool=callgrind", "--separate-threads=no", "--dump-instr=no"]
+#: What the section's dump says of itself, and its total: ``summary`` is the sum
+#: of the dump's costs (``totals``, a little more, adds what callgrind
+#: attributes to calls in progress when it dumps)
 SECTION_DESC = "desc: Trigger: Client Request: section"
 SUMMARY_RE = re.compile(r"^summary:\s+(\d+)\s*$", re.MULTILINE)
 
@@ -125,23 +135,24 @@ def parse_section(dump: str) -> int:
 
 def section_dump(out: str) -> str:
     """The text of the measured section's dump of a run whose callgrind file is
-    ``out``; an error if the run made none (a script without the section)
+    ``out``; an error unless the run made exactly one (a script without the
+    section, or with several)
     """
-    try:
-        with open(f"{out}.1") as f:
-            return f.read()
-    except FileNotFoundError:
+    dumps = glob.glob(glob.escape(out) + ".*")
+    if len(dumps) != 1:
         raise RuntimeError(
-            f"No dump of a measured section next to {out}: "
-            "does the script mark one (_common.measured_section)?"
-        ) from None
+            f"Expected the dump of one measured section next to {out}, found "
+            f"{len(dumps)}: does the script mark one (_common.measured_section)?"
+        )
+    with open(dumps[0]) as f:
+        return f.read()
 
 
 def build_section_lib(directory: str) -> str:
     """Build section.c into a shared library in ``directory``; return its path.
     Exit if there is no C compiler, or no valgrind headers to build it with.
     """
-    cc = shutil.which("gcc") or shutil.which("cc")
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         sys.exit("--section needs a C compiler (Debian: apt-get install gcc)")
     lib = os.path.join(directory, "libsection.so")
@@ -265,24 +276,33 @@ def run_both(
     return results
 
 
+@dataclass(frozen=True)
+class Section:
+    """What the runs of ``--section`` need: the library built from section.c
+    (:func:`build_section_lib`), and a directory for callgrind's files
+    """
+
+    lib: str
+    directory: str
+
+
 def run_pair(
     workload: str,
     valgrind: str,
     pythons: dict[str, str],
     sizes: tuple[int, int],
     cpus: list[int | None],
-    lib: str | None = None,
+    section: Section | None = None,
 ) -> dict[str, float]:
     """Instructions per task of each side, both sides running at the same time:
-    from a run at each size; or, with ``lib`` (``--section``, see
-    :func:`build_section_lib`), from the measured section of a run at the larger
-    size, its callgrind files in a new directory beside ``lib``
+    from a run at each size; or, with ``section`` (``--section``), from the
+    measured section of a run at the larger size
     """
-    if lib is not None:
+    if section is not None:
         size = sizes[1]
-        directory = tempfile.mkdtemp(dir=os.path.dirname(lib))
+        directory = tempfile.mkdtemp(dir=section.directory)
         outs = {side: os.path.join(directory, f"{side}.out") for side in pythons}
-        run_both(workload, valgrind, pythons, size, cpus, outs, lib)
+        run_both(workload, valgrind, pythons, size, cpus, outs, section.lib)
         return {
             side: parse_section(section_dump(out)) / size for side, out in outs.items()
         }
@@ -334,8 +354,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--section",
         action="store_true",
         help="count only the tasks, from submission until every one is done, "
-        "with callgrind, in one run of the larger size per side (in-process "
-        "workloads only; needs a C compiler and valgrind's headers)",
+        "with callgrind, in one run of the larger of --sizes per side (the "
+        "smaller is not run; in-process workloads only; needs a C compiler and "
+        "valgrind's headers)",
     )
     args = parser.parse_args(argv)
     if not 0 < args.sizes[0] < args.sizes[1]:
@@ -354,9 +375,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.exit("valgrind is not installed (Debian: apt-get install valgrind)")
     pythons = interpreters(args)
     sizes = tuple(args.sizes)
-    with tempfile.TemporaryDirectory(prefix="bench-section-") as directory:
-        lib = build_section_lib(directory) if args.section else None
-        return report(args, valgrind, pythons, sizes, lib)
+    with contextlib.ExitStack() as stack:
+        section = None
+        if args.section:
+            directory = stack.enter_context(
+                tempfile.TemporaryDirectory(prefix="bench-section-")
+            )
+            section = Section(build_section_lib(directory), directory)
+        return report(args, valgrind, pythons, sizes, section)
 
 
 def report(
@@ -364,17 +390,17 @@ def report(
     valgrind: str,
     pythons: dict[str, str],
     sizes: tuple[int, int],
-    lib: str | None,
+    section: Section | None,
 ) -> int:
     """Run the pairs, print a line each and the median ratio; the exit status"""
     ratios = []
-    method = " (measured section)" if lib is not None else ""
+    method = " (measured section)" if section is not None else ""
     print(f"Workload: {args.workload}{method}")
     print(f"{'pair':>4}  {'fork':>12}  {'pristine':>12}  {'ratio':>6}")
     for i in range(args.pairs):
         try:
             counts = run_pair(
-                args.workload, valgrind, pythons, sizes, pair_cpus(i), lib
+                args.workload, valgrind, pythons, sizes, pair_cpus(i), section
             )
         except (RuntimeError, subprocess.TimeoutExpired) as e:
             print(f"Pair {i + 1} failed: {e}", file=sys.stderr)

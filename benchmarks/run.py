@@ -192,15 +192,24 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+#: The environment variable that names the library built from section.c, with
+#: which a script marks its measured section (``_common.measured_section``, which
+#: reads it; ``instructions.py --section``, which sets it)
+SECTION_LIB_VAR = "BENCH_SECTION_LIB"
+
+
 def child_env() -> dict[str, str]:
-    """Environment of the scripts: ours, without PYTHONPATH.
+    """Environment of the scripts: ours, without PYTHONPATH and without a library
+    of a measured section.
 
     A PYTHONPATH inherited from the caller would put the same distributed in
     front of both environments and compare it with itself. Wrappers that need
-    one set it themselves.
+    one set it themselves. A measured section is marked only where
+    ``instructions.py --section`` asks for it.
     """
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)
+    env.pop(SECTION_LIB_VAR, None)
     return env
 
 

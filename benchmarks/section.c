@@ -2,9 +2,12 @@
  * The measured section of a benchmark, marked for callgrind (see
  * benchmarks/instructions.py, --section, and _common.measured_section).
  *
- * section_start() zeroes the counts of every thread; section_stop() writes
- * them to a dump of their own, named "section", and zeroes them again. Outside
- * valgrind, both do nothing.
+ * section_start() zeroes the counts; section_stop() writes them to a dump of
+ * their own, labelled "section", and zeroes them again. Callgrind applies both
+ * to the calling thread's counts; with --separate-threads=no (its default,
+ * which instructions.py passes), the counts of all threads are pooled, so the
+ * section counts every thread of the process. Outside valgrind, both do
+ * nothing.
  */
 #include <valgrind/callgrind.h>
 

@@ -449,6 +449,19 @@ def runner() -> ModuleType:
     return module
 
 
+def test_section_lib_var(runner: ModuleType, common: ModuleType) -> None:
+    """The scripts read the variable that the drivers set"""
+    assert common.SECTION_LIB_VAR == runner.SECTION_LIB_VAR
+
+
+def test_child_env_drops_the_section_lib(runner: ModuleType, monkeypatch) -> None:
+    monkeypatch.setenv(runner.SECTION_LIB_VAR, "/gone/libsection.so")
+    monkeypatch.setenv("BENCH_SOMETHING_ELSE", "kept")
+    env = runner.child_env()
+    assert runner.SECTION_LIB_VAR not in env
+    assert env["BENCH_SOMETHING_ELSE"] == "kept"
+
+
 def test_target(runner: ModuleType) -> None:
     strict = runner.Target(0.4, strict=True)
     assert str(strict) == "< 0.4"

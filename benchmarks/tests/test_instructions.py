@@ -3,6 +3,7 @@ and a real run when valgrind is installed (slow).
 """
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import os
 import shutil
@@ -55,6 +56,7 @@ def instructions() -> ModuleType:
         )
         assert spec and spec.loader
         module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # dataclasses look their module up
         spec.loader.exec_module(module)
     finally:
         sys.path.remove(str(BENCH))
@@ -178,15 +180,83 @@ def test_parse_section_bad_dump(instructions, dump):
 def test_section_dump(instructions, tmp_path):
     out = tmp_path / "fork.out"
     (tmp_path / "fork.out.1").write_text(SECTION_DUMP)
+    # The dump at the end of the run is not a candidate
+    (tmp_path / "fork.out").write_text("desc: Trigger: Program termination\n")
     assert instructions.section_dump(str(out)) == SECTION_DUMP
-    with pytest.raises(RuntimeError, match="No dump of a measured section"):
+    with pytest.raises(RuntimeError, match="found 0: does the script mark one"):
         instructions.section_dump(str(tmp_path / "pristine.out"))
+    (tmp_path / "fork.out.2").write_text(SECTION_DUMP)
+    with pytest.raises(RuntimeError, match="found 2"):
+        instructions.section_dump(str(out))
 
 
-def test_section_lib_var(instructions):
-    """The scripts read the variable that the driver sets"""
-    common = (BENCH / "_common.py").read_text()
-    assert f'SECTION_LIB_VAR = "{instructions.SECTION_LIB_VAR}"' in common
+def test_run_pair_section(instructions, monkeypatch, tmp_path):
+    """With a section, each side runs once at the larger size, with the library,
+    into a file of its own under the section's directory; per task is the
+    section's count divided by the size
+    """
+    runs = []
+
+    def fake_start(workload, valgrind, python, size, cpu, out=None, lib=None):
+        runs.append((python, size, lib, os.path.dirname(os.path.dirname(out))))
+        count = {"a": 1700 * 2_000_000, "b": 1700 * 1_000_000}[python]
+        dump = SECTION_DUMP.replace("4013467212", str(count))
+        Path(f"{out}.1").write_text(dump)
+        return subprocess.Popen(
+            [sys.executable, "-c", "pass"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+
+    monkeypatch.setattr(instructions, "start", fake_start)
+    section = instructions.Section("/x/libsection.so", str(tmp_path))
+    counts = instructions.run_pair(
+        "trivial",
+        "valgrind",
+        {"fork": "a", "pristine": "b"},
+        (200, 1700),
+        [None, None],
+        section,
+    )
+    assert counts == {"fork": 2_000_000, "pristine": 1_000_000}
+    assert sorted(runs) == [
+        ("a", 1700, "/x/libsection.so", str(tmp_path)),
+        ("b", 1700, "/x/libsection.so", str(tmp_path)),
+    ]
+
+
+def test_build_section_lib_without_compiler(instructions, monkeypatch, tmp_path):
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setattr(instructions.shutil, "which", lambda name: None)
+    with pytest.raises(SystemExit, match="needs a C compiler"):
+        instructions.build_section_lib(str(tmp_path))
+
+
+def test_build_section_lib_failing(instructions, monkeypatch, tmp_path):
+    """A compiler that fails (e.g. for want of valgrind's headers) says so"""
+    monkeypatch.setenv("CC", "false")
+    with pytest.raises(SystemExit, match="it needs valgrind's headers"):
+        instructions.build_section_lib(str(tmp_path))
+
+
+#: What building section.c needs, if missing: a reason to skip
+NO_SECTION_BUILD = (
+    "needs gcc and valgrind's headers"
+    if shutil.which("gcc") is None
+    or not Path("/usr/include/valgrind/callgrind.h").exists()
+    else None
+)
+
+
+@pytest.mark.skipif(NO_SECTION_BUILD is not None, reason=str(NO_SECTION_BUILD))
+def test_build_section_lib(instructions, tmp_path):
+    """The library builds, has the functions that _common calls, and does nothing
+    outside valgrind
+    """
+    lib = ctypes.CDLL(instructions.build_section_lib(str(tmp_path)))
+    lib.section_start()
+    lib.section_stop()
 
 
 def test_pair_cpus(instructions):
@@ -217,6 +287,50 @@ def test_no_valgrind(instructions, monkeypatch):
         instructions.main(["--fork", "a", "--pristine", "b"])
 
 
+#: Work before the measured section, and in it: a sum over a range of each size
+SECTION_SCRIPT = """\
+import sys
+sys.path.insert(0, sys.argv[1])
+from _common import measured_section
+sum(range(2_000_000))
+with measured_section():
+    sum(range(1_000))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("valgrind") is None, reason="needs valgrind")
+@pytest.mark.skipif(NO_SECTION_BUILD is not None, reason=str(NO_SECTION_BUILD))
+def test_section_counts_only_the_section(instructions, tmp_path):
+    """Under callgrind, the dump of the section has the work inside it, not the
+    imports nor the work before it
+    """
+    lib = instructions.build_section_lib(str(tmp_path))
+    script = tmp_path / "script.py"
+    script.write_text(SECTION_SCRIPT)
+    out = str(tmp_path / "run.out")
+    proc = subprocess.run(
+        [
+            "valgrind",
+            *instructions.SECTION_ARGS,
+            f"--callgrind-out-file={out}",
+            sys.executable,
+            str(script),
+            str(BENCH),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**instructions.child_env(), instructions.SECTION_LIB_VAR: lib},
+    )
+    assert proc.returncode == 0, proc.stderr
+    section = instructions.parse_section(instructions.section_dump(out))
+    # The sum of a thousand numbers, and the calls that mark the section: some
+    # tens of thousands of instructions. Before it: 2 million numbers summed,
+    # and the imports, billions of instructions in all.
+    assert 0 < section < 1_000_000
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("valgrind") is None, reason="needs valgrind")
 @pytest.mark.parametrize(
@@ -225,7 +339,13 @@ def test_no_valgrind(instructions, monkeypatch):
         ("worker", []),
         ("trivial", []),
         ("trivial-default", []),
-        ("trivial", ["--section"]),
+        pytest.param(
+            "trivial",
+            ["--section"],
+            marks=pytest.mark.skipif(
+                NO_SECTION_BUILD is not None, reason=str(NO_SECTION_BUILD)
+            ),
+        ),
     ],
     ids=["worker", "trivial", "trivial-default", "trivial-section"],
 )
@@ -267,6 +387,7 @@ def test_end_to_end(tmp_path, workload, method):
     assert int(pristine.replace(",", "")) > 0
     # Same interpreter on both sides; the counts vary a little with timing
     assert 0.8 < float(ratio) < 1.25
+
     assert summary.startswith("Instructions per task, fork / pristine: median ")
 
 
