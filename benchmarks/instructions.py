@@ -29,9 +29,11 @@ slower than usual, so that whatever a cluster does per unit of time rather than
 per task (the profiler, heartbeats, monitors) would weigh 30 times more than in
 a real one, and vary with the speed of the machine: both workloads turn it off
 (see ``_common.QUIET_CONFIG``). Pristine against itself then comes out within
-0.3%. The kernel's work (system calls, thread switches) is not counted; as it
-is nearly the same on both sides (the fork reads the CPU clock of the task's
-thread twice more per task), the ratio of CPU time is closer to 1 than this.
+0.3%. The kernel's work (system calls, thread switches) is not counted; it is
+nearly the same on both sides (the fork reads the CPU clock of the task's
+thread three times more per task). The ratio is not a bound of the ratio of CPU
+time: on a quiet machine, the fork's extra instructions took 2 to 4 times the
+process's average time each (see docs/benchmarks.rst).
 
 With ``--section``, the in-process workloads are counted by callgrind instead,
 in one run of the larger size per side, and only over the tasks themselves:
