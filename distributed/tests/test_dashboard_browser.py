@@ -105,6 +105,12 @@ def test_missing_browser_skips_or_fails_on_ci(
 ) -> None:
     absent = str(tmp_path / "absent")
     monkeypatch.setattr(utils_browser, missing, absent)
+    # Only the one under test is missing, also where neither is installed
+    present = tmp_path / "present"
+    present.write_text("")
+    present.chmod(0o755)
+    other = "CHROMEDRIVER" if missing == "CHROMIUM" else "CHROMIUM"
+    monkeypatch.setattr(utils_browser, other, str(present))
 
     monkeypatch.delenv("CI", raising=False)
     with pytest.raises(pytest.skip.Exception, match=f"{absent} is not installed"):

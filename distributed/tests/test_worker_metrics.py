@@ -228,22 +228,26 @@ seen_roots: list = []
 
 def record_root():
     root = current_root()
-    seen_roots.append((root, root.is_current(), root.parent))
+    parent = root.parent
+    seen_roots.append((root, root.is_current(), parent, parent.thread_root is root))
 
 
 @gen_cluster(client=True, nthreads=[("", 1)])
 async def test_execute_thread_root(c, s, a):
-    """In the task's thread, the root is a ThreadRoot, current, whose caller is the
-    instruction's recorder; once the task is done, the root is over and the
-    recorder finalized, and neither holds the other
+    """In the task's thread, the root is a ThreadRoot of the task's own, current,
+    whose caller is the instruction's recorder, which keeps it while the task runs
+    (for interim posts); once the task is done, the root is over and the recorder
+    finalized, and neither holds the other
     """
     await c.submit(record_root, key="f-1")
     try:
-        [(root, current, parent)] = seen_roots
+        [(root, current, parent, kept)] = seen_roots
     finally:
         seen_roots.clear()  # Don't keep the recorder alive
     assert isinstance(root, ThreadRoot)
     assert current is True
+    assert root.owned is True
+    assert kept is True
     assert root.wants_cpu is True
     assert isinstance(parent, InstructionMetricsRecorder)
     assert parent.prefix == ("execute", "f")
