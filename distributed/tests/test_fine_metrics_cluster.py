@@ -15,7 +15,9 @@ from collections.abc import Mapping
 
 import pytest
 
-from distributed import Nanny, get_fine_metrics
+import dask
+
+from distributed import Client, LocalCluster, Nanny, get_fine_metrics
 from distributed.core import Status
 from distributed.metrics import (
     FineMetrics,
@@ -30,6 +32,7 @@ from distributed.utils_test import (
     async_poll_for,
     captured_logger,
     gen_cluster,
+    gen_test,
     inc,
     slowinc,
 )
@@ -455,6 +458,8 @@ def test_fine_metrics_snapshot():
     assert fm.records()[2]["task_prefix"] is None
     table = fm.table()
     assert "thread-cpu" in table and "my/label" in table and "network" in table
+    # Counts are exact, however large
+    assert "1234567" in FineMetrics({("get-data", "x", "count"): 1234567}).table()
     later = FineMetrics(
         {**fm, ("gather-dep", "network", "seconds"): 2.5},
         {"w1": {("execute", "thread-cpu", "seconds"): 1.5}, "w2": {("a", "b", "c"): 1}},
@@ -692,6 +697,126 @@ async def test_metrics_msgpack_cannot_carry(c, s, a):
     assert m["execute", "big", "rows", "count"] == float(2**70)
     assert m["execute", "big", "None", "count"] == 1
     assert m["execute", "big", ("flag", "True"), "count"] == 1
+
+
+def numpy_metrics():
+    np = pytest.importorskip("numpy")
+    # What a task often has at hand: np.int64, np.float64
+    context_meter.digest_metric("rows", np.arange(5).sum(), "count")
+    context_meter.digest_metric("wait", np.float64(0.25), "seconds")
+
+
+@gen_cluster(client=True, nthreads=[("", 1)])
+async def test_numpy_values_delivered(c, s, a):
+    """A value that is a real number but not an int or a float (a numpy scalar)
+    travels as an int or a float: msgpack can't carry it, and the scheduler accepts
+    nothing else. The worker keeps running.
+    """
+    stop_heartbeats(a)
+    await c.submit(numpy_metrics, key="np-1")
+    await settle(a)
+    with captured_logger("distributed.scheduler") as log:
+        await a.heartbeat()
+    assert a.status == Status.running
+    assert not log.getvalue()
+    m = s.cumulative_worker_metrics
+    assert m["execute", "np", "rows", "count"] == 10
+    assert type(m["execute", "np", "rows", "count"]) is int
+    assert m["execute", "np", "wait", "seconds"] == 0.25
+    assert type(m["execute", "np", "wait", "seconds"]) is float
+
+
+@gen_test()
+async def test_numpy_values_delivered_inproc():
+    """In process (inproc://), where nothing is serialized, the scheduler gets plain
+    ints and floats too
+    """
+    async with LocalCluster(
+        processes=False,
+        n_workers=1,
+        threads_per_worker=1,
+        asynchronous=True,
+        dashboard_address=":0",
+    ) as cluster, Client(cluster, asynchronous=True) as c:
+        assert cluster.scheduler_address.startswith("inproc://")
+        await c.submit(numpy_metrics, key="np-1")
+        fm = await c.get_fine_metrics()
+        assert fm["execute", "np", "rows", "count"] == 10
+        assert fm["execute", "np", "wait", "seconds"] == 0.25
+
+
+NAN = math.nan  # one object: one key in the worker's digests
+
+
+def non_finite_labels():
+    context_meter.digest_metric(("le", math.inf), 1, "count")
+    context_meter.digest_metric(("bucket", NAN), 1, "count")
+
+
+@gen_cluster(
+    client=True,
+    nthreads=[("", 1)],
+    config={"distributed.scheduler.http.routes": ["distributed.http.scheduler.api"]},
+)
+async def test_non_finite_float_labels(c, s, a):
+    """A nan or infinite label travels as its str(): a nan would be a new key at each
+    delivery (it is not equal to itself), and JSON has no infinities
+    """
+    stop_heartbeats(a)
+    for i in range(3):
+        await c.submit(non_finite_labels, key=f"nonfinite-{i}")
+        await settle(a)
+        await a.heartbeat()
+    tuple_labels = {
+        k: v for k, v in s.cumulative_worker_metrics.items() if isinstance(k[2], tuple)
+    }
+    assert tuple_labels == {
+        ("execute", "nonfinite", ("le", "inf"), "count"): 3,
+        ("execute", "nonfinite", ("bucket", "nan"), "count"): 3,
+    }
+    records = json.loads(await fetch(s.http_server.port, "/api/v1/fine_metrics"))
+    assert {
+        "activity": "execute",
+        "task_prefix": "nonfinite",
+        "label": ["le", "inf"],
+        "unit": "count",
+        "value": 3,
+    } in records
+
+
+def huge_count():
+    context_meter.digest_metric("ids", 2**62, "count")  # within int64
+
+
+@gen_cluster(client=True, nthreads=[("", 1)])
+async def test_store_beyond_int64(c, s, a):
+    """The scheduler's sum of deliveries may grow beyond int64, which msgpack can't
+    carry to a client: it is sent as a float
+    """
+    stop_heartbeats(a)
+    for i in range(5):
+        await c.submit(huge_count, key=f"huge-{i}")
+        await settle(a)
+        await a.heartbeat()
+    assert s.cumulative_worker_metrics["execute", "huge", "ids", "count"] == 5 * 2**62
+    fm = await c.get_fine_metrics()
+    assert fm["execute", "huge", "ids", "count"] == float(5 * 2**62)
+    assert fm.workers[a.address]["execute", "ids", "count"] == float(5 * 2**62)
+
+
+@gen_cluster(client=True, nthreads=[("", 1)])
+async def test_warnings_forgotten_with_the_worker(c, s, a):
+    """The scheduler forgets which workers it warned about bad deliveries once they
+    are gone, so that the set doesn't grow with workers coming and going
+    """
+    s.heartbeat_worker(
+        address=a.address, metrics=await a.get_metrics(), fine_metrics="garbage"
+    )
+    assert a.address in s._fine_metrics_warned
+    with dask.config.set({"distributed.scheduler.events-cleanup-delay": "10ms"}):
+        await a.close()
+        await async_poll_for(lambda: a.address not in s._fine_metrics_departed, 5)
+    assert a.address not in s._fine_metrics_warned
 
 
 @gen_cluster(client=True)

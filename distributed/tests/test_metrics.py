@@ -234,6 +234,28 @@ def test_context_meter_int_clock_seconds():
     assert type(out[0][1]) is int
 
 
+@pytest.mark.parametrize("unit", ["bytes", "seconds"])
+def test_context_meter_int_clock_floored(unit):
+    """An int clock that goes backwards gives an int value too, floored to 0"""
+    clock = FakeClock(100)
+    out = []
+    with context_meter.add_callback(lambda *a: out.append(a)):
+        with context_meter.meter("x", unit=unit, func=clock) as m:
+            clock.t = 70
+    assert out == [("x", 0, unit)]
+    assert type(out[0][1]) is int
+    assert type(m.delta) is int
+    with metrics.meter(clock) as m2:
+        clock.t = 40
+    assert m2.delta == 0
+    assert type(m2.delta) is int
+    # A floor that isn't a whole number can't be an int
+    with context_meter.add_callback(lambda *a: out.append(a)):
+        with context_meter.meter("y", unit=unit, func=clock, floor=0.5):
+            clock.t = 30
+    assert out[-1] == ("y", 0.5, unit)
+
+
 def test_context_meter_callbacks_stack():
     out1 = []
     out2 = []

@@ -13,7 +13,7 @@ import zict
 
 from distributed.metrics import DelayedMetricsLedger, context_meter
 from distributed.sizeof import sizeof
-from distributed.spill import SpillBuffer, SpilledSize
+from distributed.spill import SpillBuffer, SpilledSize, has_zict_220
 from distributed.utils_test import captured_logger
 
 SPILL_LABELS = {
@@ -87,6 +87,36 @@ def test_disk_write(tmp_path):
     for label, value, unit in out:
         expect[label, unit] = expect.get((label, unit), 0) + value
     assert buf.cumulative_metrics == expect
+
+
+class Referenced:
+    """A value that a weak reference can point to"""
+
+    def __sizeof__(self) -> int:
+        return 1000
+
+
+@pytest.mark.skipif(not has_zict_220, reason="zict's cache of spilled values")
+def test_memory_read_of_a_spilled_value_still_in_memory(tmp_path):
+    """A value spilled while something still holds it is read back from zict's
+    cache, not from disk: it is a memory-read, with the size it had in memory
+    """
+    buf = SpillBuffer(str(tmp_path), target=1500)
+    buf["x"] = x = Referenced()
+    buf["y"] = Referenced()  # pushes x out, which this test still holds
+    assert set(buf.disk) == {"x"}
+    assert "x" in buf.slow.cache  # type: ignore[attr-defined]
+
+    out = []
+    with context_meter.add_callback(lambda *args: out.append(args)):
+        assert buf["x"] is x  # evicts y, which nothing else holds: from disk
+    assert non_seconds(out)[:2] == [
+        ("memory-read", 1, "count"),
+        ("memory-read", sizeof(x), "bytes"),
+    ]
+    assert not [m for m in out if m[0] == "disk-read"]
+    # Upstream's own metrics of the fast mapping are unchanged
+    assert buf.fast_metrics.read_count_total == 0
 
 
 def test_disk_read_and_memory_read(tmp_path):

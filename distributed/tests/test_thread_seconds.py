@@ -13,7 +13,7 @@ import pytest
 
 import dask
 
-from distributed import Event, rejoin, secede
+from distributed import Event, rejoin, secede, worker_client
 from distributed.core import Status
 from distributed.metrics import ThreadSecondsAccount, context_meter, is_fine_metric
 from distributed.tests.test_worker_metrics import CustomExecutor
@@ -146,9 +146,10 @@ class Phase:
     def __getitem__(self, label: str) -> float:
         return self.delta.get(label, 0.0)
 
-    def assert_partition(self) -> None:
+    def assert_partition(self, metered_away: float = 0.0) -> None:
         """The labels add up to the threads × the wall time, and the busy part is the
-        execute breakdown (except time out of the pool)
+        execute breakdown, except time out of the pool: ``seceded``, and what the
+        tasks metered while out of it (``metered_away``)
         """
         nthreads = self.w.state.nthreads
         assert sum(self.delta.values()) == pytest.approx(
@@ -159,7 +160,9 @@ class Phase:
         assert self["busy"] <= nthreads * self.elapsed
         # Exactly, but for the microseconds between the clock reads of a task's
         # split at secede() and rejoin() and those of the account's
-        assert self["busy"] == pytest.approx(self.execute, rel=1e-9, abs=1e-4)
+        assert self["busy"] == pytest.approx(
+            self.execute - metered_away, rel=1e-9, abs=1e-4
+        )
 
 
 def sleep_task(seconds: float, key: object = None) -> float:
@@ -395,6 +398,95 @@ async def test_seceded_task_frees_its_thread(c, s, a):
     phase.assert_partition()
 
 
+def execute_breakdown(w, prefix: str) -> dict[Hashable, float]:
+    """The seconds of a task prefix, by label"""
+    return {
+        k[2]: v
+        for k, v in w.digests_total.items()
+        if is_fine_metric(k) and k[:2] == ("execute", prefix) and k[3] == "seconds"
+    }
+
+
+def block_around_secede(before: float, away: float, after: float) -> int:
+    with context_meter.meter("my-block"):
+        time.sleep(before)
+        secede()
+        time.sleep(away)
+        rejoin()
+        time.sleep(after)
+    return 1
+
+
+def block_ends_while_away(before: float, away: float) -> int:
+    with context_meter.meter("my-block"):
+        time.sleep(before)
+        secede()
+        with context_meter.meter("inner"):
+            time.sleep(away / 2)
+    time.sleep(away / 2)
+    rejoin()
+    return 1
+
+
+def block_around_worker_client(seconds: float) -> int:
+    with context_meter.meter("fan-out"):
+        with worker_client() as c:
+            c.submit(time.sleep, seconds, key="zz-1").result()
+    return 1
+
+
+@pytest.mark.parametrize(
+    "func,args,block,seceded",
+    [
+        (block_around_secede, (0.2, 0.5, 0.2), 0.4, 0.5),
+        # The block is suspended when it ends; what is digested out of the pool
+        # keeps its label, and comes out of `seceded`
+        (block_ends_while_away, (0.2, 0.6), 0.2, 0.3),
+        (block_around_worker_client, (0.5,), 0, 0.5),
+    ],
+)
+@gen_cluster(client=True, nthreads=[("", 1)])
+async def test_meter_block_around_secede(c, s, a, func, args, block, seceded):
+    """A meter block open across secede() and rejoin() doesn't count the time out of
+    the pool, which is `seceded`: the seconds of the task add up to its time, and
+    the busy seconds are its execute seconds but `seceded`
+    """
+    with Phase(a) as phase:
+        assert await c.submit(func, *args, key=f"{func.__name__}-1") == 1
+    bd = execute_breakdown(a, func.__name__)
+    label = "fan-out" if func is block_around_worker_client else "my-block"
+    # Without the cut, the block would also count the 0.5 s out of the pool
+    assert block <= bd[label] < block + 0.25
+    assert seceded <= bd["seceded"] < seceded + 0.25
+    assert sum(args) <= sum(bd.values()) <= phase.elapsed
+    assert bd["thread-noncpu"] < 0.1
+    if func is block_ends_while_away:
+        assert 0.3 <= bd["inner"] < 0.4
+    phase.assert_partition(metered_away=bd.get("inner", 0.0))
+
+
+def secede_then_fail(away: float) -> None:
+    secede()
+    time.sleep(away)
+    rejoin()
+    raise ValueError("boom")
+
+
+@gen_cluster(client=True, nthreads=[("", 1)])
+async def test_seceded_task_that_fails(c, s, a):
+    """A task that fails lumps its time into `failed`, but for its time out of the
+    pool, which wasn't busy and stays `seceded`
+    """
+    with Phase(a) as phase:
+        with pytest.raises(ValueError, match="boom"):
+            await c.submit(secede_then_fail, 0.5, key="secede_then_fail-1")
+    bd = execute_breakdown(a, "secede_then_fail")
+    assert set(bd) == {"seceded", "failed"}
+    assert bd["seceded"] >= 0.5
+    assert bd["failed"] < 0.1
+    phase.assert_partition()
+
+
 @gen_cluster(client=True, nthreads=[("", 1)])
 async def test_rejoin_while_another_task_has_the_slot(c, s, a):
     """After rejoin(), the state machine, which doesn't know, starts the next task
@@ -603,6 +695,24 @@ async def test_interim_posts_leave_an_open_block_out(c, s, a, monkeypatch):
     for (label, unit), value in expect.items():
         key = ("execute", "metered_sleep", label, unit)
         assert a.digests_total[key] == pytest.approx(value, rel=1e-9, abs=1e-12)
+
+
+@gen_cluster(client=True, nthreads=[("", 1)])
+async def test_interim_posts_of_a_block_around_secede(c, s, a, monkeypatch):
+    """A delivery while the task is out of the pool, inside a meter block opened
+    before, posts none of the block's time as the task's phase
+    """
+    calls = record_finalized(monkeypatch)
+    x = c.submit(block_around_secede, 0.2, 0.5, 0.2, key="block_around_secede-1")
+    await async_poll_for(lambda: a.state.long_running, timeout=5)
+    await asyncio.sleep(0.2)
+    a.digest_running()
+    await deliver_until_done(x, a)
+    assert await x == 1
+    [(posted, rest)] = calls
+    assert posted.get("thread-noncpu", 0) < 0.05
+    assert all(value >= -1e-4 for _, value, _ in rest), rest
+    assert_all_seconds_once(a, "block_around_secede")
 
 
 def fail_late(seconds: float) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 import dask
+from dask.sizeof import sizeof
 
 from distributed import (
     Client,
@@ -48,6 +49,7 @@ from distributed.utils_test import (
     wait_for_state,
 )
 from distributed.worker import apply_function_simple
+from distributed.worker_memory import WorkerMemoryManager
 from distributed.worker_state_machine import (
     ExecuteDoneEvent,
     ExecuteFailureEvent,
@@ -946,6 +948,65 @@ async def test_spill_and_unspill(c, s, a, b):
     assert not REMOVED_DIGESTS & set(a.digests_total)
 
 
+class SlowSizeof:
+    """Data whose sizeof() takes 0.2 s (e.g. a pandas frame of Python objects)"""
+
+    def __init__(self):
+        self.payload = b"x" * 1000
+
+
+@sizeof.register(SlowSizeof)
+def _sizeof_slow(obj):
+    time.sleep(0.2)
+    return 1000
+
+
+def payload_len(obj: SlowSizeof) -> int:
+    return len(obj.payload)
+
+
+@gen_cluster(client=True, nthreads=[("", 1)] * 2)
+async def test_get_data_other(c, s, a, b):
+    """get-data's seconds that no label takes, e.g. sizeof() of the keys that it
+    unspills, are its ``other``; spilling the keys that unspilling pushes out is
+    part of it too
+    """
+    x = c.submit(SlowSizeof, key="x", workers=[a.address])
+    await wait_for_state("x", "memory", a)
+    assert a.data.evict() > 0
+    assert "x" in a.data.slow
+    y = c.submit(payload_len, x, key="y", workers=[b.address])
+    assert await y == 1000
+    await async_poll_for(lambda: not a.transfer_outgoing_count, timeout=5)
+    m = activity_digests(a, "get-data")
+    assert m["disk-read", "count"] == 1
+    # sizeof() of x, outside of every other label, at least once
+    assert m["other", "seconds"] >= 0.2
+
+
+@gen_cluster(client=True, nthreads=[("", 1)])
+async def test_memory_monitor_other(c, s, a):
+    """The memory monitor's seconds that no label takes, e.g. sizeof() of the key
+    that it spills, are its ``other``
+    """
+    x = c.submit(SlowSizeof, key="x")
+    await wait_for_state("x", "memory", a)
+    assert "x" in a.data.fast
+    assert WorkerMemoryManager._evict(a, a.data) > 0
+    assert "x" in a.data.slow
+    m = activity_digests(a, "memory-monitor")
+    assert m["disk-write", "count"] == 1
+    assert m["other", "seconds"] >= 0.2
+    assert set(m) == {
+        ("serialize", "seconds"),
+        ("compress", "seconds"),
+        ("disk-write", "seconds"),
+        ("disk-write", "count"),
+        ("disk-write", "bytes"),
+        ("other", "seconds"),
+    }
+
+
 def read_and_block(x, ev_in, ev_out):
     ev_in.set()
     ev_out.wait()
@@ -1203,7 +1264,7 @@ async def test_memory_monitor_unpauses(c, s, a):
     assert execute_digests(a, "f")[("ping", "x"), "count"] == 1
     # The memory monitor may have spilled the output of blocker, and nothing else
     m = activity_digests(a, "memory-monitor")
-    assert {label for label, _ in m} <= {"serialize", "compress", "disk-write"}
+    assert {label for label, _ in m} <= {"serialize", "compress", "disk-write", "other"}
     await assert_spill_accounted(a)
 
 

@@ -195,15 +195,18 @@ def test_to_loggable_keeps_metrics():
     assert ev2.metrics == [("other", 1.0, "seconds")]
 
 
-@pytest.mark.parametrize(
-    "ev", _gather_dep_events(metrics=list(METRICS)) + _execute_events(), ids=_id
-)
+@pytest.mark.parametrize("ev", _gather_dep_events() + _execute_events(), ids=_id)
 def test_metrics_in_dump(ev):
+    """The metrics are in the dump, and from_dict rebuilds them as they were: tuples,
+    with a tuple label a tuple again (a list couldn't be a key)
+    """
+    ev.metrics = [*METRICS, ((("nested", 1), "x"), 2, "count")]
     d = recursive_to_dict(ev)
     assert d["metrics"] == recursive_to_dict(ev.metrics)
     ev2 = StateMachineEvent.from_dict(d)
     assert type(ev2) is type(ev)
-    assert len(ev2.metrics) == len(ev.metrics)
+    assert ev2.metrics == ev.metrics
+    assert all(type(m) is tuple for m in ev2.metrics)
 
 
 def test_execute_success_ignores_metrics(ws):
