@@ -715,6 +715,64 @@ async def test_interim_posts_of_a_block_around_secede(c, s, a, monkeypatch):
     assert_all_seconds_once(a, "block_around_secede")
 
 
+def secede_plainly(before: float, away: float, after: float) -> int:
+    time.sleep(before)
+    secede()
+    time.sleep(away)
+    rejoin()
+    time.sleep(after)
+    return 1
+
+
+def secede_in_inner_block(before: float, away: float, after: float) -> int:
+    with context_meter.meter("my-block"):
+        time.sleep(before)
+        secede()
+        with context_meter.meter("inner"):
+            time.sleep(0.05)
+        time.sleep(away - 0.05)
+        rejoin()
+        time.sleep(after)
+    return 1
+
+
+@pytest.mark.parametrize(
+    "func", [secede_plainly, block_around_secede, secede_in_inner_block]
+)
+@gen_cluster(client=True, nthreads=[("", 1)])
+async def test_interim_seceded_grows_while_away(c, s, a, monkeypatch, func):
+    """While a task is out of the pool, the deliveries post its time out of the pool
+    so far, also when a meter block was open when it left (the block's time stops
+    there, while `seceded` runs on); and what was digested meanwhile comes out of it
+    """
+    calls = record_finalized(monkeypatch)
+    prefix = func.__name__
+    key = ("execute", prefix, "seceded", "seconds")
+    seen: list[float] = []
+    x = c.submit(func, 0.1, 0.8, 0.1, key=f"{prefix}-1")
+    while not x.done():
+        await a.heartbeat()
+        seen.append(s.cumulative_worker_metrics.get(key, 0))
+        await asyncio.sleep(0.05)
+    assert await x == 1
+    assert seen == sorted(seen)
+    # Seen growing in the middle of the 0.8 s out of the pool, not all at once at
+    # the end of it
+    assert any(0.2 < v < 0.6 for v in seen), seen
+    [(posted, rest)] = calls
+    assert all(value >= -1e-4 for _, value, _ in rest), rest
+    expect = without_interim(posted, rest)
+    assert 0.8 - 0.05 <= expect["seceded", "seconds"] < 0.8 + 0.1
+    # The 0.2 s in the pool are the block's, or the task's own
+    in_pool = "thread-noncpu" if func is secede_plainly else "my-block"
+    assert 0.2 <= expect[in_pool, "seconds"] < 0.3
+    if func is not secede_plainly:
+        assert expect["thread-noncpu", "seconds"] < 0.1
+    if func is secede_in_inner_block:
+        assert 0.05 <= expect["inner", "seconds"] < 0.1
+    assert_all_seconds_once(a, prefix)
+
+
 def fail_late(seconds: float) -> None:
     time.sleep(seconds)
     raise ValueError("late")
