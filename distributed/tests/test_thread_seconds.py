@@ -715,15 +715,6 @@ async def test_interim_posts_of_a_block_around_secede(c, s, a, monkeypatch):
     assert_all_seconds_once(a, "block_around_secede")
 
 
-def secede_plainly(before: float, away: float, after: float) -> int:
-    time.sleep(before)
-    secede()
-    time.sleep(away)
-    rejoin()
-    time.sleep(after)
-    return 1
-
-
 def secede_in_inner_block(before: float, away: float, after: float) -> int:
     with context_meter.meter("my-block"):
         time.sleep(before)
@@ -737,7 +728,7 @@ def secede_in_inner_block(before: float, away: float, after: float) -> int:
 
 
 @pytest.mark.parametrize(
-    "func", [secede_plainly, block_around_secede, secede_in_inner_block]
+    "func", [seceding_task, block_around_secede, secede_in_inner_block]
 )
 @gen_cluster(client=True, nthreads=[("", 1)])
 async def test_interim_seceded_grows_while_away(c, s, a, monkeypatch, func):
@@ -764,9 +755,9 @@ async def test_interim_seceded_grows_while_away(c, s, a, monkeypatch, func):
     expect = without_interim(posted, rest)
     assert 0.8 - 0.05 <= expect["seceded", "seconds"] < 0.8 + 0.1
     # The 0.2 s in the pool are the block's, or the task's own
-    in_pool = "thread-noncpu" if func is secede_plainly else "my-block"
+    in_pool = "thread-noncpu" if func is seceding_task else "my-block"
     assert 0.2 <= expect[in_pool, "seconds"] < 0.3
-    if func is not secede_plainly:
+    if func is not seceding_task:
         assert expect["thread-noncpu", "seconds"] < 0.1
     if func is secede_in_inner_block:
         assert 0.05 <= expect["inner", "seconds"] < 0.1
