@@ -8,6 +8,7 @@ unless ``CI=true``: then they fail.
 from __future__ import annotations
 
 import sys
+import tempfile
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -181,6 +182,23 @@ def test_js_values_come_back(browser: Any) -> None:
     assert value["nested"][1] == ["a"]
     assert value["map"] == {"1": "one"}
     assert value["none"] is None
+
+
+@pytest.mark.slow
+def test_browser_leaves_no_temporary_files(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chromium's temporary files, which it leaves when the driver quits it, are
+    in a directory of the driver's, removed with it
+    """
+    # Not pytest's tmp_path: Chromium's socket is in there, and the path of a
+    # socket is limited to about 100 characters
+    with tempfile.TemporaryDirectory() as name:
+        base = Path(name)
+        monkeypatch.setattr(tempfile, "tempdir", name)
+        with chromium_driver() as driver:
+            driver.get("about:blank")
+            (tmp,) = base.iterdir()
+            assert any(p.name.startswith("org.chromium.") for p in tmp.iterdir())
+        assert list(base.iterdir()) == []
 
 
 @pytest.mark.slow

@@ -13,7 +13,9 @@ import pytest
 
 import dask
 
-from distributed import Event, rejoin, secede, worker_client
+from distributed import Event
+from distributed import metrics as metrics_module
+from distributed import rejoin, secede, worker_client
 from distributed.core import Status
 from distributed.metrics import ThreadSecondsAccount, context_meter, is_fine_metric
 from distributed.tests.test_worker_metrics import CustomExecutor
@@ -73,6 +75,27 @@ def test_account_with_more_threads_taken_than_the_pool_has():
     account.acquire(1.0)
     account.release(2.0)
     account.release(4.0)
+    clock.now = 5.0
+    account.advance()
+    assert account.totals == {"busy": 4.0, "idle-no-tasks": 1.0}
+
+
+def test_account_told_late_does_not_rewrite_what_it_counted():
+    """A thread taken or given back before the last advance() counts from then:
+    the owner learns it late (see call_soon_threadsafe), and no label ever
+    decreases
+    """
+    clock = FakeClock()
+    account = ThreadSecondsAccount(1, "idle-no-tasks", func=clock)
+    account.acquire(0.0)
+    clock.now = 3.0
+    account.advance()
+    assert account.totals == {"busy": 3.0, "idle-no-tasks": 0.0}
+    account.release(1.0)  # given back at 1.0, told at 3.0
+    clock.now = 4.0
+    account.advance()
+    assert account.totals == {"busy": 3.0, "idle-no-tasks": 1.0}
+    account.acquire(3.5)  # taken at 3.5, told at 4.0
     clock.now = 5.0
     account.advance()
     assert account.totals == {"busy": 4.0, "idle-no-tasks": 1.0}
@@ -559,6 +582,71 @@ async def test_worker_closes_while_a_task_is_out_of_the_pool(c, s, a):
     del x
 
 
+@pytest.mark.parametrize("interim", [False, True])
+@gen_cluster(client=True, nthreads=[("", 1)])
+async def test_worker_closes_while_a_task_is_out_of_the_pool_keeps_seceded(
+    c, s, a, interim
+):
+    """The time out of the pool of a task that the closing worker cancels stays
+    `seceded`, and only its time in the pool is `cancelled`: busy is the execute
+    breakdown but `seceded`, as for any task
+    """
+    AWAY.clear()
+    try:
+        with Phase(a) as phase:
+            x = c.submit(away_until_set, key="away_until_set-1")
+            await async_poll_for(lambda: a.state.long_running, timeout=5)
+            for _ in range(10):
+                await asyncio.sleep(0.05)
+                if interim:
+                    a.digest_running()
+            await a.close()
+        bd = execute_breakdown(a, "away_until_set")
+        assert bd["seceded"] >= 0.45, bd
+        assert bd["cancelled"] < 0.1, bd
+        phase.assert_partition()
+    finally:
+        AWAY.set()
+        del x
+
+
+#: Set by secede_and_wait() when it starts, and once out of the pool; lets it
+#: return
+STARTED = threading.Event()
+SECEDED = threading.Event()
+DONE = threading.Event()
+
+
+def secede_and_wait() -> int:
+    STARTED.set()
+    time.sleep(0.1)
+    secede()
+    SECEDED.set()
+    DONE.wait(5)
+    return 1
+
+
+@gen_cluster(client=True, nthreads=[("", 1)])
+async def test_busy_never_decreases_when_the_loop_lags(c, s, a):
+    """The event loop learns late that a task left the pool: what it counted busy
+    meanwhile stays busy
+    """
+    for event in (STARTED, SECEDED, DONE):
+        event.clear()
+    x = c.submit(secede_and_wait, key="secede_and_wait-1")
+    try:
+        assert await asyncio.to_thread(STARTED.wait, 5)
+        # The loop is busy (e.g. with a large message) when the task secedes
+        assert SECEDED.wait(5)
+        time.sleep(0.2)
+        before = threads(a)["busy"]
+        await asyncio.sleep(0.05)
+        assert threads(a)["busy"] >= before
+    finally:
+        DONE.set()
+    assert await x == 1
+
+
 def record_finalized(monkeypatch) -> list[tuple[dict, list]]:
     """Collect, for every recorder that is finalized, what its interim posts gave
     and what it returns at the end; :data:`elapsed` gets its elapsed time
@@ -762,6 +850,94 @@ async def test_interim_seceded_grows_while_away(c, s, a, monkeypatch, func):
     if func is secede_in_inner_block:
         assert 0.05 <= expect["inner", "seconds"] < 0.1
     assert_all_seconds_once(a, prefix)
+
+
+#: Set in the task's thread: its next read of its CPU time stops it there
+STOP_AT_NEXT_CPU_READ = threading.local()
+AT_CPU_READ = threading.Event()
+GO_ON = threading.Event()
+
+
+def block_then_return(seconds: float) -> int:
+    with context_meter.meter("my-block"):
+        time.sleep(seconds)
+        # The next read of the thread's CPU time is in the block's __exit__, where
+        # its seconds are passed on to the root
+        STOP_AT_NEXT_CPU_READ.on = True
+    return 1
+
+
+@gen_cluster(client=True, nthreads=[("", 1)])
+async def test_delivery_while_a_block_ends(c, s, a, monkeypatch):
+    """A delivery while the task's thread is in the middle of ending its outermost
+    block (as after a switch of the GIL there) posts no phase for the block
+    """
+    AT_CPU_READ.clear()
+    GO_ON.clear()
+    thread_time = metrics_module.thread_time
+
+    def stopping_thread_time() -> float:
+        if getattr(STOP_AT_NEXT_CPU_READ, "on", False):
+            STOP_AT_NEXT_CPU_READ.on = False
+            AT_CPU_READ.set()
+            GO_ON.wait(5)
+        return thread_time()
+
+    monkeypatch.setattr(metrics_module, "thread_time", stopping_thread_time)
+    calls = record_finalized(monkeypatch)
+    x = c.submit(block_then_return, 0.5, key="block_then_return-1")
+    try:
+        assert await asyncio.to_thread(AT_CPU_READ.wait, 5)
+        a.digest_running()
+    finally:
+        GO_ON.set()
+    assert await x == 1
+    [(posted, rest)] = calls
+    assert posted.get("thread-noncpu", 0) < 0.05, posted
+    assert all(value >= -1e-4 for _, value, _ in rest), rest
+    assert_all_seconds_once(a, "block_then_return")
+
+
+#: Set by block_then_wait() once its block has ended
+BLOCK_DONE = threading.Event()
+
+
+def block_then_wait(seconds: float) -> int:
+    with context_meter.meter("my-block"):
+        time.sleep(seconds)
+    BLOCK_DONE.set()
+    GO_ON.wait(5)
+    return 1
+
+
+@gen_cluster(client=True, nthreads=[("", 1)])
+async def test_delivery_while_a_block_ends_between_its_reads(c, s, a, monkeypatch):
+    """A delivery that reads the task's clocks while its outermost block ends
+    posts no phase for the block
+    """
+    GO_ON.clear()
+    BLOCK_DONE.clear()
+    open_block_since = metrics_module.open_block_since
+
+    def slow_open_block_since(context):
+        # The task's thread runs on meanwhile, as after a switch of the GIL
+        BLOCK_DONE.wait(5)
+        return open_block_since(context)
+
+    calls = record_finalized(monkeypatch)
+    x = c.submit(block_then_wait, 0.5, key="block_then_wait-1")
+    try:
+        await asyncio.sleep(0.3)  # inside the block
+        monkeypatch.setattr(metrics_module, "open_block_since", slow_open_block_since)
+        a.digest_running()
+        monkeypatch.setattr(metrics_module, "open_block_since", open_block_since)
+    finally:
+        GO_ON.set()
+    assert await x == 1
+    [(posted, rest)] = calls
+    assert posted.get("thread-noncpu", 0) < 0.1, posted
+    assert all(value >= -1e-4 for _, value, _ in rest), rest
+    assert_all_seconds_once(a, "block_then_wait")
 
 
 def fail_late(seconds: float) -> None:

@@ -114,7 +114,9 @@ def chromium_driver() -> Iterator[WebDriver]:
     """A headless Chromium WebDriver that records the browser's console
 
     Skips the test if the browser is missing (fails it under ``CI=true``). The
-    driver is always quit on exit.
+    driver is always quit on exit. The browser's temporary files go to a
+    directory of their own, removed on exit: quit by the driver, Chromium leaves
+    a directory in ``TMPDIR`` (that of its singleton socket), one per browser.
 
     Yields
     ------
@@ -130,14 +132,18 @@ def chromium_driver() -> Iterator[WebDriver]:
         options.add_argument(argument)
     options.binary_location = CHROMIUM
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    driver = webdriver.Chrome(
-        options=options, service=Service(executable_path=CHROMEDRIVER)
-    )
-    try:
-        driver.set_script_timeout(TIMEOUT)
-        yield driver
-    finally:
-        driver.quit()
+    with tempfile.TemporaryDirectory(
+        prefix="chromium-", ignore_cleanup_errors=True
+    ) as tmp:
+        service = Service(
+            executable_path=CHROMEDRIVER, env={**os.environ, "TMPDIR": tmp}
+        )
+        driver = webdriver.Chrome(options=options, service=service)
+        try:
+            driver.set_script_timeout(TIMEOUT)
+            yield driver
+        finally:
+            driver.quit()
 
 
 @pytest.fixture

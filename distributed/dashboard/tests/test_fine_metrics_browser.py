@@ -37,6 +37,7 @@ from distributed.dashboard.tests.test_fine_metrics_dashboard import (
     all_sources,
     assert_breakdown,
     bars,
+    post_as,
     record_report_metrics,
     segments,
     with_threads_of,
@@ -274,7 +275,9 @@ def test_page(browser: Any, loop: Any) -> None:
         assert_demo_shown(plotted(browser))
         prefixes = sorted({key[1] for key in store if key[0] == "execute"})
         filter_options = run_bokeh_js(
-            browser, 'return plain(byName("fine_metrics_prefix_filter")[0].options);'
+            browser,
+            'return plain(byName("fine_metrics_prefix_filter")[0].options)'
+            ".map((o) => (Array.isArray(o) ? o[0] : o));",
         )
         assert filter_options == prefixes
         assert_fits_the_window(browser)
@@ -362,3 +365,67 @@ def test_performance_report_tab(browser: Any, loop: Any, tmp_path: Path) -> None
     assert_fits_the_window(browser)
     assert console_errors(browser) == []
     save_screenshot(browser, "fine-metrics-report")
+
+
+# Names that come from task code
+
+
+#: Markup that would make an element with this id, if parsed as HTML
+MARKUP = "<img id='{}' src='nonexistent.png'>"
+
+
+def injected(driver: Any) -> list[str]:
+    """The ids of the elements that markup in names made"""
+    return run_bokeh_js(
+        driver,
+        """
+        return ["inunit", "inlabel", "inprefix"].filter(
+          (id) => document.getElementById(id) !== null
+        );
+        """,
+    )
+
+
+@pytest.mark.slow
+def test_names_from_tasks_are_shown_as_text(browser: Any, loop: Any) -> None:
+    """Units, labels and task prefixes come from task code: the page shows them as
+    text, and never parses them as HTML
+    """
+    unit = "~" + MARKUP.format("inunit")
+    label = MARKUP.format("inlabel")
+    prefix = "x" + MARKUP.format("inprefix")
+    with demo_cluster(loop=loop) as (cluster, client):
+        open_bokeh_page(browser, page_url(client))
+        # Eight units of the tasks' own get a tab; the one sorted last does not,
+        # and is named in the note under the tabs
+        futures = [
+            client.submit(post_as, "x", f"u{i}", key=f"units-{i}") for i in range(8)
+        ]
+        futures.append(client.submit(post_as, "x", unit, key="units-8"))
+        futures.append(client.submit(post_as, label, "seconds", key=f"{prefix}-1"))
+        client.gather(futures)
+        client.get_fine_metrics(flush=True)
+        wait_until(browser, lambda: unit in units_note(browser), what="the note")
+        options = run_bokeh_js(
+            browser,
+            'return plain(byName("fine_metrics_prefix_filter")[0].options)'
+            ".map((o) => (Array.isArray(o) ? o[0] : o));",
+        )
+        assert prefix in options
+        # Open the filter's list, as a person would to choose a prefix
+        browser.find_element("css selector", ".choices").click()
+        wait_until(
+            browser,
+            lambda: prefix
+            in run_bokeh_js(
+                browser,
+                """
+                return [...document.querySelectorAll(".choices__item--choice")]
+                  .map((e) => e.textContent.trim());
+                """,
+            ),
+            what="the prefix among the filter's choices",
+        )
+        assert injected(browser) == []
+        assert console_errors(browser) == []
+        save_screenshot(browser, "fine-metrics-page-names-as-text")

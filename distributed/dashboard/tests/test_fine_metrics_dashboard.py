@@ -10,6 +10,7 @@ component's own helpers.
 from __future__ import annotations
 
 import asyncio
+import html
 import json
 import math
 import os
@@ -471,8 +472,7 @@ async def test_breakdown_of_a_workload(c, s, a, b):
     assert spill_bytes["get-data", "disk-read"] > 0
     assert "network" in fm.gather_dep_source.data["label"]
     assert "network" in fm.get_data_source.data["label"]
-    assert fm.prefix_filter is not None
-    assert fm.prefix_filter.options == ["big", "fail", "local", "remote"]
+    assert prefix_choices(fm) == ["big", "fail", "local", "remote"]
 
 
 @gen_cluster(client=True, nthreads=[("", 1), ("", 1)], **SPILL)
@@ -541,6 +541,37 @@ async def test_prefix_appears(c, s, a, b):
     assert_breakdown(fm, s.cumulative_worker_metrics)
 
 
+def prefix_choices(fm: FineMetricsBreakdown) -> list[str]:
+    """The prefixes that the filter offers, checking that each is labelled by
+    itself, as HTML-escaped text (Choices.js parses labels as HTML)
+    """
+    assert fm.prefix_filter is not None
+    options = fm.prefix_filter.options
+    assert all(label == html.escape(value) for value, label in options), options
+    return [value for value, _ in options]
+
+
+def post_as(label: str, unit: str) -> int:
+    context_meter.digest_metric(label, 1.0, unit)
+    return 1
+
+
+@gen_cluster(client=True, nthreads=[("", 1)])
+async def test_names_from_tasks_are_text(c, s, a):
+    """Prefixes and units come from task code: the widgets that bokeh renders as
+    HTML get them as text (see test_names_from_tasks_are_shown_as_text in a real
+    browser)
+    """
+    await c.submit(post_as, "x", "<b>unit</b>", key="x<b>y</b>-1")
+    await flush(c, a)
+    fm = FineMetricsBreakdown(s, max_units=0)
+    fm.update()
+    assert fm.prefix_filter is not None
+    assert fm.prefix_filter.options == [("x<b>y</b>", "x&lt;b&gt;y&lt;/b&gt;")]
+    assert "(<b>unit</b>)" in fm.units_note.text
+    assert fm.units_note.render_as_text
+
+
 @gen_cluster(client=True)
 async def test_prefix_filter(c, s, a, b):
     for name in ("alpha", "beta", "gamma"):
@@ -550,7 +581,7 @@ async def test_prefix_filter(c, s, a, b):
     fm.update()
     assert fm.prefix_filter is not None
     assert fm.prefix_filter.name == "fine_metrics_prefix_filter"
-    assert fm.prefix_filter.options == ["alpha", "beta", "gamma"]
+    assert prefix_choices(fm) == ["alpha", "beta", "gamma"]
     store = s.cumulative_worker_metrics
 
     # As if a user chose them in the browser: the callback runs
@@ -577,7 +608,7 @@ async def test_prefix_filter(c, s, a, b):
     await c.submit(inc, 2, key="delta-2")
     await flush(c, a, b)
     fm.update()
-    assert fm.prefix_filter.options == ["alpha", "beta", "delta", "gamma"]
+    assert prefix_choices(fm) == ["alpha", "beta", "delta", "gamma"]
     assert_breakdown(fm, store, prefixes={"alpha"})
 
 
@@ -814,7 +845,7 @@ def test_values_that_are_not_finite():
     assert fm.execute_sources["count"].data["prefix"] == []
     assert list(fm.execute_sources) == UNITS
     assert fm.prefix_filter is not None
-    assert fm.prefix_filter.options == ["p"]
+    assert prefix_choices(fm) == ["p"]
     assert fm.gather_dep_source.data["label"] == []
     assert fm.activities_source.data["seconds"] == [1.5, 0, 0.25, 0]
     assert fm.activities_source.data["text"][2] == "250.00 ms"
@@ -872,7 +903,7 @@ def test_negative_values():
     assert data["share"] == [80.0, 20.0]
     assert list(fm.execute_sources) == UNITS
     assert fm.prefix_filter is not None
-    assert fm.prefix_filter.options == ["p"]
+    assert prefix_choices(fm) == ["p"]
     assert fm.gather_dep_source.data["label"] == []
     assert fm.activities_source.data["seconds"] == [2.5, 0, 0, 0.125]
     assert fm.spill_sources["bytes"].data["activity"] == []
@@ -933,7 +964,7 @@ def test_a_prefix_goes_away():
     assert execute_bars(fm, "bytes") == []
     assert fm.execute_plots["bytes"].y_range.factors == []
     assert fm.prefix_filter is not None
-    assert fm.prefix_filter.options == ["alpha", "gamma"]
+    assert prefix_choices(fm) == ["alpha", "gamma"]
     assert_breakdown(fm, metrics)
 
     # Under the filter: the prefix chosen goes; it stays an option, so that the
@@ -944,7 +975,7 @@ def test_a_prefix_goes_away():
     fm.update()
     assert execute_bars(fm) == []
     assert fm.execute_plots["seconds"].y_range.factors == []
-    assert fm.prefix_filter.options == ["alpha", "gamma"]
+    assert prefix_choices(fm) == ["alpha", "gamma"]
     assert_breakdown(fm, metrics, prefixes={"alpha"})
     # ...and comes back
     metrics[seconds("alpha")] = 5.0
@@ -955,7 +986,7 @@ def test_a_prefix_goes_away():
     # Undone: all prefixes, and the one gone is no option any more
     fm.prefix_filter.value = []
     assert execute_bars(fm) == ["gamma"]
-    assert fm.prefix_filter.options == ["gamma"]
+    assert prefix_choices(fm) == ["gamma"]
     assert_breakdown(fm, metrics)
 
 
@@ -1001,7 +1032,7 @@ def test_prefix_with_only_bytes():
     }
     assert fm.execute_sources["bytes"].data["text"] == ["1.00 MiB"]
     assert fm.prefix_filter is not None
-    assert fm.prefix_filter.options == ["compute", "download"]
+    assert prefix_choices(fm) == ["compute", "download"]
     assert segments(fm.spill_sources["bytes"].data, "activity") == {
         ("memory-monitor", "disk-write"): 100
     }
