@@ -17,7 +17,7 @@ import pytest
 
 import dask
 
-from distributed import Client, LocalCluster, Nanny, get_fine_metrics
+from distributed import Client, LocalCluster, Nanny, Worker, get_fine_metrics
 from distributed.core import Status
 from distributed.metrics import (
     FineMetrics,
@@ -28,6 +28,7 @@ from distributed.metrics import (
     parse_fine_metrics_delivery,
     without_prefix,
 )
+from distributed.utils import open_port
 from distributed.utils_test import (
     async_poll_for,
     captured_logger,
@@ -156,18 +157,22 @@ class FailingRPC:
 
 class PausedRPC:
     """Stands in for a method of the worker's rpc to the scheduler: the call waits
-    until ``release`` is set; ``in_flight`` is set once it started
+    until ``release`` is set; ``in_flight`` is set once it started. With
+    ``apply_first``, the scheduler handles the call at once, and the reply waits.
     """
 
-    def __init__(self, real):
+    def __init__(self, real, *, apply_first: bool = False):
         self.real = real
+        self.apply_first = apply_first
         self.in_flight = asyncio.Event()
         self.release = asyncio.Event()
 
     async def __call__(self, **kwargs):
+        if self.apply_first:
+            reply = await self.real(**kwargs)
         self.in_flight.set()
         await self.release.wait()
-        return await self.real(**kwargs)
+        return reply if self.apply_first else await self.real(**kwargs)
 
 
 @pytest.mark.parametrize(
@@ -305,6 +310,40 @@ async def test_graceful_close_delivers(c, s, a, b):
     assert_equal_totals(fm, expect)
 
 
+@gen_cluster(client=True, nthreads=[("", 1)])
+async def test_close_during_a_flush_counts_once(c, s, a):
+    """A worker that closes while a delivery is in flight sends its last delivery
+    at once, and nothing after it: a flush that the scheduler asks for as the worker
+    closes, once the acknowledgement in flight arrived, would count again what the
+    last delivery holds
+    """
+    stop_heartbeats(a)
+    key = ("execute", "x", "my-count", "count")
+    a.digest_metric(key, 1)
+    await a.flush_fine_metrics()
+    a.digest_metric(key, 10)
+    a.scheduler.worker_fine_metrics = rpc = PausedRPC(
+        a.scheduler.worker_fine_metrics, apply_first=True
+    )
+    try:
+        flush = asyncio.create_task(a.flush_fine_metrics())
+        await rpc.in_flight.wait()
+        assert s.cumulative_worker_metrics[key] == 11
+        a.digest_metric(key, 100)  # Goes with the last delivery
+        close = asyncio.create_task(a.close())
+        await async_poll_for(lambda: a._fine_metrics_sender.closed, timeout=5)
+        rpc.release.set()
+        await flush
+        # A flush or heartbeat handled while the worker closes sends nothing
+        a.digest_metric(key, 1000)
+        await a.flush_fine_metrics()
+        await close
+    finally:
+        del a.scheduler.worker_fine_metrics
+    await async_poll_for(lambda: not s.workers, timeout=5)
+    assert s.cumulative_worker_metrics[key] == 111
+
+
 @gen_cluster(client=True)
 async def test_retire_workers_delivers(c, s, a, b):
     stop_heartbeats(a, b)
@@ -420,11 +459,34 @@ def test_sender_receiver_exactly_once():
     assert receiver.totals == {("execute", "x", "count"): 8}
 
 
+def test_sender_last_delivery():
+    totals = {("execute", "p", "x", "count"): 1}
+    sender = FineMetricsSender(totals)
+    d1 = sender.delivery()
+    totals["execute", "p", "x", "count"] = 3
+    last = sender.last_delivery()
+    # On the base of the delivery in flight, which it includes
+    assert (last["seq"], last["base"], last["metrics"]) == (
+        2,
+        0,
+        [[("execute", "p", "x", "count"), 3]],
+    )
+    sender.acknowledge(d1["seq"])  # The reply in flight arrives
+    totals["execute", "p", "x", "count"] = 4
+    assert sender.delivery() is None
+    assert sender.last_delivery() is None
+
+
 def test_sender_portable_keys():
-    """Labels that msgpack or JSON can't carry are sent as their str()"""
+    """Labels that msgpack or JSON can't carry are sent as their str(); a label
+    that is an int beyond int64 too, as msgpack can't carry it either
+    """
     totals = {
         ("execute", "p", frozenset({1}), "count"): 1,
         ("execute", "p", ("a", 1, 2.5), "count"): 1,
+        ("execute", "p", ("id", 2**64, -(2**63)), "count"): 1,
+        ("execute", "p", 2**63, "count"): 1,
+        ("execute", "p", 2**63 - 1, "count"): 1,
         "not-a-fine-metric": 1,
     }
     d = FineMetricsSender(totals).delivery()
@@ -432,6 +494,9 @@ def test_sender_portable_keys():
         [
             (("execute", "p", "frozenset({1})", "count"), 1),
             (("execute", "p", ("a", 1, 2.5), "count"), 1),
+            (("execute", "p", ("id", str(2**64), -(2**63)), "count"), 1),
+            (("execute", "p", str(2**63), "count"), 1),
+            (("execute", "p", 2**63 - 1, "count"), 1),
         ],
         key=str,
     )
@@ -467,6 +532,13 @@ def test_fine_metrics_snapshot():
     delta = later - fm
     assert dict(delta) == {("gather-dep", "network", "seconds"): 2.0}
     assert delta.workers == {"w1": {}, "w2": {("a", "b", "c"): 1}}
+    # A worker at the address of one before it gained all it has
+    before = FineMetrics({}, {"w1": {("a", "b", "c"): 5}}, {"w1": "Worker-1"})
+    after = FineMetrics({}, {"w1": {("a", "b", "c"): 2}}, {"w1": "Worker-2"})
+    assert (after - before).workers == {"w1": {("a", "b", "c"): 2}}
+    assert (after - before).worker_ids == {"w1": "Worker-2"}
+    again = FineMetrics({}, {"w1": {("a", "b", "c"): 7}}, {"w1": "Worker-1"})
+    assert (again - before).workers == {"w1": {("a", "b", "c"): 2}}
 
 
 def test_fine_metrics_to_dataframe():
@@ -497,6 +569,28 @@ async def test_get_fine_metrics_context_manager(c, s, a, b):
     assert fm["execute", "block", "my-count", "count"] == 1
     assert set(fm.workers) == {a.address, b.address}
     assert fm.workers[a.address][("execute", "my-count", "count")] == 1
+
+
+@gen_cluster(client=True, nthreads=[])
+async def test_get_fine_metrics_worker_restarted_at_same_address(c, s):
+    """A worker that starts at the address of one that left during the block (a
+    nanny restarting it on a fixed port, say) gained all it has, rather than its
+    totals less those of the one before it
+    """
+    port = open_port()
+    w = await Worker(s.address, port=port, nthreads=1)
+    await c.gather(c.map(posting, range(20), key=[f"posting-{i}" for i in range(20)]))
+    fm = get_fine_metrics(c)
+    await fm.__aenter__()
+    await w.close()
+    async with Worker(s.address, port=port, nthreads=1) as w2:
+        assert w2.address == w.address
+        assert await c.submit(posting, 1, key="posting-20") == 2
+        await fm.__aexit__(None, None, None)
+    assert fm.worker_ids == {w2.address: w2.id}
+    gained = fm.workers[w2.address]
+    assert gained["execute", "my-count", "count"] == 1
+    assert all(v >= 0 for v in gained.values()), gained
 
 
 def test_get_fine_metrics_sync(client):
@@ -681,12 +775,14 @@ def big_int():
     context_meter.digest_metric("rows", 2**70, "count")
     context_meter.digest_metric(None, 1, "count")
     context_meter.digest_metric(("flag", True), 1, "count")
+    context_meter.digest_metric(2**64, 1, "count")  # A hash, an id
 
 
 @gen_cluster(client=True, nthreads=[("", 1)])
 async def test_metrics_msgpack_cannot_carry(c, s, a):
-    """An int too large for msgpack travels as a float, and labels that the scheduler
-    would reject (None, bool) as their str(); the heartbeat goes on
+    """A value too large for msgpack travels as a float, a label too large for it
+    and labels that the scheduler would reject (None, bool) as their str(); the
+    heartbeat goes on
     """
     stop_heartbeats(a)
     await c.submit(big_int, key="big-1")
@@ -697,6 +793,7 @@ async def test_metrics_msgpack_cannot_carry(c, s, a):
     assert m["execute", "big", "rows", "count"] == float(2**70)
     assert m["execute", "big", "None", "count"] == 1
     assert m["execute", "big", ("flag", "True"), "count"] == 1
+    assert m["execute", "big", str(2**64), "count"] == 1
 
 
 def numpy_metrics():

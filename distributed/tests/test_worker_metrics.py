@@ -32,6 +32,7 @@ from distributed import (
     rejoin,
     secede,
 )
+from distributed.comm import connect
 from distributed.compatibility import PeriodicCallback
 from distributed.core import Status
 from distributed.metrics import ThreadRoot, _callbacks_var, context_meter, current_root
@@ -629,6 +630,52 @@ async def test_gather_dep_cancelled(c, s, a, b):
         assert activity_digests(w, "gather-dep") == sum_metrics([ev])
 
 
+class _Unspillable:
+    """Large enough to be spilled at once; cannot be pickled"""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+
+    def __sizeof__(self) -> int:
+        return 50_000_000
+
+
+class _Sendable:
+    """Large enough to be spilled at once; pickles fine, but arrives as an
+    _Unspillable
+    """
+
+    def __reduce__(self) -> tuple:
+        return _Unspillable, ()
+
+    def __sizeof__(self) -> int:
+        return 50_000_000
+
+
+@gen_cluster(
+    client=True,
+    nthreads=[("", 1, {"memory_limit": "10 GB"}), ("", 1, {"memory_limit": "200 MB"})],
+    config={
+        "distributed.worker.memory.target": 0.1,
+        "distributed.worker.memory.spill": False,
+        "distributed.worker.memory.pause": False,
+    },
+)
+async def test_gather_dep_fails_to_spill(c, s, a, b):
+    """Data arrived, but failed to serialize as b spilled it: the attempt failed"""
+    x = c.submit(_Sendable, key="x", workers=[a.address])
+    y = c.submit(type, x, key="y", workers=[b.address])
+    await wait_for_state("x", "error", b)
+    [ev] = events_of(b, GatherDepDoneEvent)
+    assert isinstance(ev, GatherDepSuccessEvent)
+    assert b.state.tasks["x"].state == "error"
+    assert {label for label, _, unit in ev.metrics if unit == "seconds"} == {"failed"}
+    assert activity_digests(b, "gather-dep") == sum_metrics([ev])
+    # Upstream 2023.3.1 leaves y waiting for x, which is in error, for ever
+    y.release()
+    await async_poll_for(lambda: "y" not in b.state.tasks, timeout=5)
+
+
 @gen_cluster(client=True, nthreads=[("", 1)])
 async def test_worker_close_with_gather_dep_in_flight(c, s, a):
     x = c.submit(inc, 1, key="x", workers=[a.address])
@@ -985,6 +1032,30 @@ async def test_get_data_other(c, s, a, b):
 
 
 @gen_cluster(client=True, nthreads=[("", 1)])
+async def test_get_data_requester_goes_away(c, s, a):
+    """A requester that closes the connection instead of acknowledging receipt:
+    the attempt failed, and its seconds are not network time
+    """
+    x = c.submit(lambda: b"0" * 1_000_000, key="x")
+    await wait_for_state("x", "memory", a)
+    comm = await connect(a.address)
+    try:
+        await comm.write({"op": "get_data", "keys": ["x"], "reply": True})
+        response = await comm.read()
+        assert set(response["data"]) == {"x"}
+    finally:
+        comm.abort()
+    await async_poll_for(lambda: not a.transfer_outgoing_count, timeout=5)
+    m = activity_digests(a, "get-data")
+    assert {label for label, unit in m if unit == "seconds"} == {"failed"}
+    # What is not seconds stays
+    assert m["memory-read", "count"] == 1
+    # Upstream behaviour: the bookkeeping of the transfer is undone
+    assert a.transfer_outgoing_bytes == 0
+    assert not a.transfer_outgoing_log
+
+
+@gen_cluster(client=True, nthreads=[("", 1)])
 async def test_memory_monitor_other(c, s, a):
     """The memory monitor's seconds that no label takes, e.g. sizeof() of the key
     that it spills, are its ``other``
@@ -1005,6 +1076,77 @@ async def test_memory_monitor_other(c, s, a):
         ("disk-write", "bytes"),
         ("other", "seconds"),
     }
+
+
+MONITOR_CONFIG = {
+    "distributed.worker.memory.target": False,
+    "distributed.worker.memory.spill": 0.7,
+    "distributed.worker.memory.pause": False,
+    "distributed.worker.memory.monitor-interval": "10ms",
+}
+
+
+@gen_cluster(
+    client=True,
+    nthreads=[("", 1)],
+    worker_kwargs={"memory_limit": "1 GiB"},
+    config=MONITOR_CONFIG,
+)
+async def test_memory_monitor_failed_eviction(c, s, a):
+    """An eviction that fails (here, the value fails to pickle) is not spilling: its
+    seconds are ``failed``, at every tick that tries again
+    """
+    a.monitor.get_process_memory = lambda: 2**40
+    x = c.submit(_Unspillable, key="x")
+    await wait_for_state("x", "memory", a)
+    key = ("memory-monitor", "failed", "seconds")
+    await async_poll_for(lambda: key in a.digests_total, timeout=5)
+    first = a.digests_total[key]
+    await async_poll_for(lambda: a.digests_total[key] > first, timeout=5)
+    assert "x" in a.data.fast
+    m = activity_digests(a, "memory-monitor")
+    assert {label for label, unit in m if unit == "seconds"} == {"failed"}
+    assert ("disk-write", "count") not in m
+    del x
+
+
+class BigSizeof:
+    """Small to pickle, but a large share of the memory limit to the monitor"""
+
+    def __sizeof__(self) -> int:
+        return 500 * 2**20
+
+
+@gen_cluster(
+    client=True,
+    nthreads=[("", 1)],
+    worker_kwargs={"memory_limit": "1 GiB"},
+    config=MONITOR_CONFIG,
+)
+async def test_memory_monitor_gc_and_measuring(c, s, a):
+    """Between evictions, the spill loop measures the process memory and, once it
+    evicted more than it needed to and the memory is still high, collects garbage:
+    both are the memory monitor's, as ``other`` and ``gc``
+    """
+
+    def get_process_memory() -> int:
+        time.sleep(0.01)
+        return 2**30 if a.data.fast else 0
+
+    def collect() -> None:
+        time.sleep(0.05)
+
+    futs = c.map(lambda i: BigSizeof(), range(2), key=["big-0", "big-1"])
+    await c.gather(futs)
+    a.memory_manager._throttled_gc.collect = collect
+    a.monitor.get_process_memory = get_process_memory
+    await async_poll_for(lambda: not a.data.fast, timeout=5)
+    m = activity_digests(a, "memory-monitor")
+    assert m["disk-write", "count"] == 2
+    # Once, after the first eviction: 500 MiB is more than the 300 MiB needed
+    assert m["gc", "seconds"] >= 0.05
+    # Three measurements, and the rest of two evictions
+    assert m["other", "seconds"] >= 0.03
 
 
 def read_and_block(x, ev_in, ev_out):
@@ -1264,7 +1406,13 @@ async def test_memory_monitor_unpauses(c, s, a):
     assert execute_digests(a, "f")[("ping", "x"), "count"] == 1
     # The memory monitor may have spilled the output of blocker, and nothing else
     m = activity_digests(a, "memory-monitor")
-    assert {label for label, _ in m} <= {"serialize", "compress", "disk-write", "other"}
+    assert {label for label, _ in m} <= {
+        "serialize",
+        "compress",
+        "disk-write",
+        "gc",
+        "other",
+    }
     await assert_spill_accounted(a)
 
 
