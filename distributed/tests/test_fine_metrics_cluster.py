@@ -265,6 +265,8 @@ async def test_bad_deliveries_rejected(c, s, a):
         [("execute", 1, "lbl", "seconds"), 1],  # prefix not a str
         [("execute", "p", "lbl", 7), 1],  # unit not a str
         [("get-data", ["list"], "seconds"), 1],
+        [("get-data", 2**64, "count"), 1],  # an int label beyond int64
+        [("get-data", ("id", -(2**63) - 1), "count"), 1],
         [("get-data", "x", "seconds"), math.nan],
         [("get-data", "x", "seconds"), math.inf],
         [("get-data", "x", "count"), True],
@@ -539,6 +541,11 @@ def test_fine_metrics_snapshot():
     assert (after - before).worker_ids == {"w1": "Worker-2"}
     again = FineMetrics({}, {"w1": {("a", "b", "c"): 7}}, {"w1": "Worker-1"})
     assert (again - before).workers == {"w1": {("a", "b", "c"): 2}}
+    # A snapshot that doesn't know the ids (from an earlier scheduler) takes the
+    # worker as the same
+    unknown = FineMetrics({}, {"w1": {("a", "b", "c"): 5}})
+    assert (again - unknown).workers == {"w1": {("a", "b", "c"): 2}}
+    assert (unknown - again).workers == {"w1": {("a", "b", "c"): -2}}
 
 
 def test_fine_metrics_to_dataframe():
@@ -899,6 +906,39 @@ async def test_store_beyond_int64(c, s, a):
     fm = await c.get_fine_metrics()
     assert fm["execute", "huge", "ids", "count"] == float(5 * 2**62)
     assert fm.workers[a.address]["execute", "ids", "count"] == float(5 * 2**62)
+
+
+def beyond_float():
+    context_meter.digest_metric("rows", 2**1100, "count")
+    context_meter.digest_metric("ok", 1, "count")
+
+
+@gen_cluster(client=True, nthreads=[("", 1)])
+async def test_value_beyond_float_range(c, s, a):
+    """A task may post an int that no float can hold, and that nothing can carry:
+    it is left out of the deliveries and of the worker's Prometheus endpoint, with a
+    warning, and everything else goes on
+    """
+    stop_heartbeats(a)
+    await c.submit(beyond_float, key="beyond-1")
+    with captured_logger("distributed.metrics") as log:
+        await a.heartbeat()
+    assert "beyond the range of a float" in log.getvalue()
+    assert a.status == Status.running
+    m = s.cumulative_worker_metrics
+    assert m["execute", "beyond", "ok", "count"] == 1
+    assert ("execute", "beyond", "rows", "count") not in m
+    # Once acknowledged, it is not tried again until it changes
+    with captured_logger("distributed.metrics") as log:
+        await a.heartbeat()
+    assert not log.getvalue()
+    # What it gains later, if a float can hold it, is delivered
+    a.digest_metric(("execute", "beyond", "rows", "count"), 5)
+    await a.heartbeat()
+    assert m["execute", "beyond", "rows", "count"] == 5
+    body = await fetch(a.http_server.port, "/metrics")
+    assert 'label="ok"' in body
+    assert 'label="rows"' not in body
 
 
 @gen_cluster(client=True, nthreads=[("", 1)])
