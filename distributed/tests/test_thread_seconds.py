@@ -101,6 +101,32 @@ def test_account_told_late_does_not_rewrite_what_it_counted():
     assert account.totals == {"busy": 4.0, "idle-no-tasks": 1.0}
 
 
+def test_account_told_late_does_not_rewrite_an_idle_label():
+    """A thread taken before the idle label last changed counts from that change:
+    the idle seconds already attributed to a label stay, also when the label
+    changed twice since the last advance()
+    """
+    clock = FakeClock()
+    account = ThreadSecondsAccount(2, "idle-no-tasks", func=clock)
+    clock.now = 1.0
+    account.advance()
+    before = account.totals
+    account.set_idle_label("idle-fetching-inputs")  # at 1.0
+    clock.now = 3.0
+    account.set_idle_label("idle-no-tasks")  # at 3.0
+    account.acquire(2.0)  # taken at 2.0 (a rejoin() in a task's thread), told now
+    clock.now = 3.1
+    account.advance()
+    after = account.totals
+    assert all(after[label] >= value for label, value in before.items())
+    assert after == {
+        "busy": pytest.approx(0.1),
+        "idle-no-tasks": pytest.approx(2.1),
+        "idle-fetching-inputs": pytest.approx(4.0),
+    }
+    assert sum(after.values()) == pytest.approx(2 * 3.1)
+
+
 def test_account_calls_from_other_threads_go_through_the_loop():
     clock = FakeClock()
     account = ThreadSecondsAccount(1, "idle-no-tasks", func=clock)
