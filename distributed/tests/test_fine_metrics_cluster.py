@@ -124,6 +124,26 @@ async def test_scheduler_has_the_workers_totals(c, s, a, b):
         for k, v in worker_totals(w).items():
             short[without_prefix(k)] += v
         assert_equal_totals(fm.workers[w.address], short)
+        # The same on the scheduler, for its own readers (the dashboard)
+        assert_equal_totals(s.fine_metrics_by_worker()[w.address], short)
+
+
+@gen_cluster(client=True, nthreads=[("", 1)])
+async def test_fine_metrics_by_worker_is_a_view(c, s, a):
+    stop_heartbeats(a)
+    key = ("execute", "x", "my-count", "count")
+    a.digest_metric(key, 1)
+    await a.heartbeat()
+    [(address, view)] = s.fine_metrics_by_worker().items()
+    assert address == a.address
+    assert view["execute", "my-count", "count"] == 1
+    with pytest.raises(TypeError):
+        view["execute", "my-count", "count"] = 2  # type: ignore[index]
+    # Kept up to date
+    a.digest_metric(key, 10)
+    await a.heartbeat()
+    assert view["execute", "my-count", "count"] == 11
+    assert s.fine_metrics_by_worker() is not s.fine_metrics_by_worker()
 
 
 @gen_cluster(client=True)
@@ -306,7 +326,7 @@ async def test_graceful_close_delivers(c, s, a, b):
     assert ("threads", "idle-no-tasks", "seconds") in expect
     assert_equal_totals(s.cumulative_worker_metrics, expect)
     # The per-worker view is gone with the workers; the totals stay
-    assert s._fine_metrics_receivers == {}
+    assert s.fine_metrics_by_worker() == {}
     fm = await c.get_fine_metrics()
     assert fm.workers == {}
     assert_equal_totals(fm, expect)
@@ -354,7 +374,7 @@ async def test_retire_workers_delivers(c, s, a, b):
     # The scheduler removes a before a closes; a delivers what it holds as it closes
     await async_poll_for(lambda: a.status == Status.closed, timeout=5)
     assert a.address not in s.workers
-    assert a.address not in s._fine_metrics_receivers
+    assert a.address not in s.fine_metrics_by_worker()
     key = ("execute", "posting", "my-count", "count")
     await async_poll_for(lambda: key in s.cumulative_worker_metrics, timeout=5)
     # What b fetched from a while a was retiring is b's, and delivered by b
@@ -393,7 +413,7 @@ async def test_worker_killed_keeps_up_to_last_delivery(c, s, a):
     addr = a.worker_address
     os.kill(pid, signal.SIGKILL)
     await async_poll_for(lambda: addr not in s.workers, timeout=20)
-    assert addr not in s._fine_metrics_receivers
+    assert addr not in s.fine_metrics_by_worker()
     assert_equal_totals(s.cumulative_worker_metrics, delivered)
 
 

@@ -168,6 +168,40 @@ def test_collector_high_water_with_the_cardinality_switches(config, prefix):
         assert not any(len(k) == 4 and k[1] == "threads" for k in samples)
 
 
+def test_shown_prefixes_are_per_scheduler():
+    """Two schedulers in one process, scraped in turn: each keeps the prefixes it
+    showed, whatever the other showed meanwhile
+    """
+
+    def cpu(prefix: str) -> tuple:
+        return ("execute", prefix, "thread-cpu", "seconds")
+
+    def prefixes(samples: dict[tuple, float]) -> dict[str, float]:
+        return {
+            k[3]: v
+            for k, v in samples.items()
+            if k[0] == "dask_scheduler_fine_metrics_seconds_total"
+        }
+
+    first = FakeScheduler({cpu("a"): 3.0, cpu("b"): 2.0, cpu("c"): 1.0})
+    second = FakeScheduler({cpu("x"): 5.0})
+    with dask.config.set(
+        {"distributed.scheduler.fine-metrics.prometheus.max-task-prefixes": 2}
+    ):
+        collector = FineMetricsCollector(first)  # type: ignore[arg-type]
+        assert prefixes(collected(collector)) == {"a": 3.0, "b": 2.0, "other": 1.0}
+        collector.server = second  # type: ignore[assignment]
+        assert prefixes(collected(collector)) == {"x": 5.0}
+        # c outgrows a and b: it was not shown, and stays under other
+        first.cumulative_worker_metrics[cpu("c")] = 10.0
+        collector.server = first  # type: ignore[assignment]
+        assert prefixes(collected(collector)) == {"a": 3.0, "b": 2.0, "other": 10.0}
+        # ...and forgets a scheduler that is gone
+        collector.server = second  # type: ignore[assignment]
+        del first
+        assert list(collector._shown) == [second]
+
+
 def late(seconds: float, fail: bool) -> float:
     time.sleep(seconds)
     if fail:
@@ -347,3 +381,34 @@ async def test_thread_seconds_on_both_endpoints(c, s, a, config):
             assert config.get(
                 "distributed.scheduler.fine-metrics.prometheus.task-prefix", True
             )
+
+
+@gen_cluster(client=True, nthreads=[("", 1)])
+async def test_reading_the_registry_digests_nothing(c, s, a):
+    """The worker's /metrics handler digests what the threads and the running
+    tasks did, on the event loop; its collector, which any reader of the registry
+    may run from any thread, only reads
+    """
+    from distributed.http.worker.prometheus.core import WorkerMetricCollector
+
+    a.periodic_callbacks["heartbeat"].stop()
+    await c.submit(inc, 1, key="inc-1")
+    idle = ("threads", "idle-no-tasks", "seconds")
+
+    def fine_metrics() -> dict[tuple, float]:
+        """What the worker's threads did, as digested so far"""
+        return {k: v for k, v in a.digests_total.items() if k[0] == "threads"}
+
+    before = fine_metrics()
+    await asyncio.sleep(0.05)
+    samples = [s for f in WorkerMetricCollector(a).collect() for s in f.samples]
+    threads = {
+        s.labels["state"]: s.value
+        for s in samples
+        if s.name == "dask_worker_thread_seconds_total"
+    }
+    assert threads["idle-no-tasks"] == before.get(idle, 0)
+    assert fine_metrics() == before
+
+    await fetch_metrics_body(a.http_server.port)
+    assert fine_metrics()[idle] >= before.get(idle, 0) + 0.05

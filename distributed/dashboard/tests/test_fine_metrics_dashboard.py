@@ -19,7 +19,7 @@ import subprocess
 import sys
 from collections import defaultdict
 from collections.abc import Hashable, Mapping
-from types import SimpleNamespace
+from types import MappingProxyType, SimpleNamespace
 from typing import Any
 
 import pytest
@@ -1239,25 +1239,52 @@ async def test_threads_over_time_no_work_without_change(c, s, a, b):
     assert {k: list(v) for k, v in data.items()} == before
 
 
-def fake_scheduler(**nthreads: int) -> Any:
-    """What the threads over time read of a scheduler: the store's version, each
-    live worker (its number of threads) and its totals without the task prefix
+class FakeScheduler:
+    """What the threads over time read of a scheduler: the store's version, the
+    live workers (their number of threads and server_id) and their totals without
+    the task prefix
     """
-    return SimpleNamespace(
-        cumulative_worker_metrics={},
-        cumulative_worker_metrics_version=0,
-        workers={w: SimpleNamespace(nthreads=n) for w, n in nthreads.items()},
-        _fine_metrics_receivers={w: SimpleNamespace(totals={}) for w in nthreads},
-    )
+
+    def __init__(self, **nthreads: int):
+        self.cumulative_worker_metrics: dict = {}
+        self.cumulative_worker_metrics_version = 0
+        self.workers: dict[str, SimpleNamespace] = {}
+        self.totals: dict[str, dict[tuple, float]] = {}
+        self._ids = 0
+        for worker, n in nthreads.items():
+            self.join(worker, n)
+
+    def join(self, worker: str, nthreads: int) -> None:
+        """A worker joins (a new server, also at an address seen before)"""
+        self._ids += 1
+        self.workers[worker] = SimpleNamespace(
+            nthreads=nthreads, server_id=f"id-{self._ids}"
+        )
+        self.totals[worker] = {}
+
+    def leave(self, worker: str) -> None:
+        del self.workers[worker]
+        del self.totals[worker]
+
+    def fine_metrics_by_worker(self) -> dict[str, Mapping[tuple, float]]:
+        return {w: MappingProxyType(t) for w, t in self.totals.items()}
 
 
-def post_threads(s: Any, worker: str, **seconds: float) -> None:
+def post_threads(s: FakeScheduler, worker: str, **seconds: float) -> None:
     """A delivery of threads' seconds by a worker (keyword: state, "_" for "-")"""
-    totals = s._fine_metrics_receivers[worker].totals
+    totals = s.totals[worker]
     for state, value in seconds.items():
         key = ("threads", state.replace("_", "-"), "seconds")
         totals[key] = totals.get(key, 0) + value
     s.cumulative_worker_metrics_version += 1
+
+
+def threads(**states: float) -> dict[str, float]:
+    """A point of the threads over time (keyword: state, "_" for "-")"""
+    return {
+        **dict.fromkeys(THREAD_STATES, 0),
+        **{k.replace("_", "-"): v for k, v in states.items()},
+    }
 
 
 def test_threads_over_time_never_draws_bad_values():
@@ -1265,33 +1292,27 @@ def test_threads_over_time_never_draws_bad_values():
     new: every point finite, not negative, at most the cluster's threads
     """
     nan, inf = float("nan"), float("inf")
-    s = fake_scheduler(a=2, b=4)
+    s = FakeScheduler(a=2, b=4)
     fm = FineMetricsBreakdown(s)
     fm.update()
     post_threads(s, "a", busy=1.0, idle_no_tasks=1.0)
     post_threads(s, "b", busy=4.0)
     fm.update()
-    assert points(fm) == [
-        {"busy": 5.0, "idle-paused": 0, "idle-constrained": 0,
-         "idle-fetching-inputs": 0, "idle-no-tasks": 1.0}
-    ]  # fmt: skip
+    assert points(fm) == [threads(busy=5.0, idle_no_tasks=1.0)]
     # b delivers nothing new: it keeps its last states
     post_threads(s, "a", idle_paused=2.0)
     fm.update()
     assert points(fm)[-1]["busy"] == 4.0
     assert points(fm)[-1]["idle-paused"] == 2.0
 
-    # A state that the workers do not post counts in the share, is not drawn
+    # A label of threads that the workers do not post is neither counted nor
+    # drawn: b's gain is all idle-no-tasks
     post_threads(s, "b", idle_no_tasks=1.0, mystery=1.0)
     fm.update()
-    assert points(fm)[-1] == {
-        **dict.fromkeys(THREAD_STATES, 0),
-        "idle-paused": 2.0,
-        "idle-no-tasks": 2.0,
-    }
+    assert points(fm)[-1] == threads(idle_paused=2.0, idle_no_tasks=4.0)
 
     # a's totals so far: busy 1, idle-no-tasks 1, idle-paused 2
-    totals = s._fine_metrics_receivers["a"].totals
+    totals = s.totals["a"]
     for busy, gained in [
         (nan, {}),  # not finite: left out, and nothing else gained
         (inf, {"idle_no_tasks": 1.0}),
@@ -1308,27 +1329,94 @@ def test_threads_over_time_never_draws_bad_values():
     assert len(points(fm)) == 10
 
     # b comes back, with new totals from zero; a leaves
-    s._fine_metrics_receivers["b"] = SimpleNamespace(totals={})
+    s.leave("b")
+    s.join("b", 4)
     post_threads(s, "b", idle_no_tasks=2.0)
-    del s._fine_metrics_receivers["a"]
-    del s.workers["a"]
+    s.leave("a")
     fm.update()
-    assert points(fm)[-1] == {**dict.fromkeys(THREAD_STATES, 0), "idle-no-tasks": 4.0}
-    # A receiver of a worker that the scheduler no longer has
-    s._fine_metrics_receivers["c"] = SimpleNamespace(totals={})
+    assert points(fm)[-1] == threads(idle_no_tasks=4.0)
+    # Totals of a worker that the scheduler no longer has
+    s.totals["c"] = {}
     post_threads(s, "c", busy=5.0)
     fm.update()
-    assert points(fm)[-1] == {**dict.fromkeys(THREAD_STATES, 0), "idle-no-tasks": 4.0}
+    assert points(fm)[-1] == threads(idle_no_tasks=4.0)
     # No workers at all
-    s.workers.clear()
-    s.cumulative_worker_metrics_version += 1
+    s.leave("b")
     fm.update()
-    assert points(fm)[-1] == dict.fromkeys(THREAD_STATES, 0)
+    assert points(fm)[-1] == threads()
     assert_points_drawable(fm, 6)
 
 
+def test_threads_over_time_follow_the_live_workers():
+    """A point as soon as a worker joins or leaves, also when the store did not
+    change (a worker removed without a last delivery)
+    """
+    s = FakeScheduler(a=1, b=2)
+    fm = FineMetricsBreakdown(s)
+    fm.update()
+    post_threads(s, "a", busy=1.0)
+    post_threads(s, "b", idle_no_tasks=2.0)
+    fm.update()
+    assert points(fm) == [threads(busy=1.0, idle_no_tasks=2.0)]
+    version = s.cumulative_worker_metrics_version
+
+    s.leave("b")
+    fm.update()
+    assert points(fm)[-1] == threads(busy=1.0)
+    s.join("c", 4)  # no delivery yet: no threads to show for it
+    fm.update()
+    assert points(fm)[-1] == threads(busy=1.0)
+    s.leave("a")
+    s.leave("c")
+    fm.update()
+    assert points(fm)[-1] == threads()
+    assert s.cumulative_worker_metrics_version == version
+    # Nothing changed since: no point
+    fm.update()
+    assert len(points(fm)) == 4
+
+
+def test_threads_over_time_worker_restarted_at_its_address():
+    """A new worker at the address of one that left counts from zero, also when its
+    totals are smaller than the old one's
+    """
+    s = FakeScheduler(a=2)
+    fm = FineMetricsBreakdown(s)
+    fm.update()
+    post_threads(s, "a", idle_no_tasks=100.0)
+    fm.update()
+    assert points(fm)[-1] == threads(idle_no_tasks=2.0)
+    # Restarted: its first delivery covers its whole life, half of it busy
+    # (taken as a gain from the old totals, idle-no-tasks would be negative and
+    # left out: all busy)
+    s.leave("a")
+    s.join("a", 2)
+    post_threads(s, "a", busy=1.0, idle_no_tasks=1.0)
+    fm.update()
+    assert points(fm)[-1] == threads(busy=1.0, idle_no_tasks=1.0)
+    # Restarted again, with nothing delivered yet: nothing of the old one is left
+    s.leave("a")
+    s.join("a", 2)
+    s.cumulative_worker_metrics_version += 1
+    fm.update()
+    assert points(fm)[-1] == threads()
+
+
+@gen_cluster(client=True, nthreads=[("", 1), ("", 2)])
+async def test_threads_over_time_worker_removed(c, s, a, b):
+    """A worker that the scheduler removes leaves the plot at once"""
+    fm = FineMetricsBreakdown(s)
+    fm.update()
+    await deliver(fm, a, b, n=2)
+    assert sum(points(fm)[-1].values()) == pytest.approx(3, rel=1e-6)
+    await s.remove_worker(b.address, stimulus_id="test")
+    fm.update()
+    assert sum(points(fm)[-1].values()) == pytest.approx(1, rel=1e-6)
+    assert_points_drawable(fm, 3)
+
+
 def test_threads_history_is_bounded():
-    s = fake_scheduler(a=1)
+    s = FakeScheduler(a=1)
     fm = FineMetricsBreakdown(s, threads_history=3)
     fm.update()
     for i in range(10):
