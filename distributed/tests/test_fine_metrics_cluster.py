@@ -605,11 +605,11 @@ async def test_get_fine_metrics_worker_restarted_at_same_address(c, s):
     totals less those of the one before it
     """
     port = open_port()
-    w = await Worker(s.address, port=port, nthreads=1)
-    await c.gather(c.map(posting, range(20), key=[f"posting-{i}" for i in range(20)]))
-    fm = get_fine_metrics(c)
-    await fm.__aenter__()
-    await w.close()
+    async with Worker(s.address, port=port, nthreads=1) as w:
+        keys = [f"posting-{i}" for i in range(20)]
+        await c.gather(c.map(posting, range(20), key=keys))
+        fm = get_fine_metrics(c)
+        await fm.__aenter__()
     async with Worker(s.address, port=port, nthreads=1) as w2:
         assert w2.address == w.address
         assert await c.submit(posting, 1, key="posting-20") == 2
