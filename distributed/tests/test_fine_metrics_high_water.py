@@ -7,7 +7,9 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import threading
 import time
+from unittest import mock
 
 import pytest
 
@@ -15,10 +17,17 @@ pytest.importorskip("prometheus_client")
 
 import dask.config
 
+from distributed import Scheduler, Worker
 from distributed.http.prometheus import HighWaterMarks, high_water
 from distributed.http.scheduler.prometheus.core import FineMetricsCollector
 from distributed.metrics import THREAD_STATES
-from distributed.utils_test import fetch_metrics_body, gen_cluster, inc
+from distributed.utils_test import (
+    captured_logger,
+    fetch_metrics_body,
+    gen_cluster,
+    gen_test,
+    inc,
+)
 
 #: The families of the fine metrics and of the threads' seconds, by the prefix of
 #: their names
@@ -412,3 +421,105 @@ async def test_reading_the_registry_digests_nothing(c, s, a):
 
     await fetch_metrics_body(a.http_server.port)
     assert fine_metrics()[idle] >= before.get(idle, 0) + 0.05
+
+
+def published_threads(body: str, subsystem: str) -> float:
+    """The threads that a /metrics page says its server has: the workers' on the
+    scheduler's, the worker's own on a worker's
+    """
+    name = (
+        "dask_scheduler_workers" if subsystem == "scheduler" else "dask_worker_threads"
+    )
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(body):
+        if family.name == name:
+            if subsystem == "scheduler":
+                return sum(sample.value for sample in family.samples)
+            [sample] = family.samples
+            return sample.value
+    raise AssertionError(f"{name} not found")
+
+
+@gen_cluster(client=True, nthreads=[("", 1), ("", 3)])
+async def test_concurrent_scrapes_publish_their_own_worker(c, s, a, b):
+    """Two workers of a process scraped at once, as a Prometheus server scrapes its
+    targets: each page is its own worker's, though the collector is shared, and the
+    second request may reach its handler before the first one is served
+    """
+    for _ in range(20):
+        pages = await asyncio.gather(
+            fetch_metrics_body(a.http_server.port),
+            fetch_metrics_body(b.http_server.port),
+        )
+        assert [published_threads(p, "worker") for p in pages] == [1, 3]
+
+
+@gen_test()
+async def test_concurrent_scrapes_publish_their_own_scheduler():
+    async with Scheduler(dashboard_address=":0") as s1, Scheduler(
+        dashboard_address=":0"
+    ) as s2, Worker(s2.address, nthreads=1):
+        for _ in range(20):
+            pages = await asyncio.gather(
+                fetch_metrics_body(s1.http_server.port),
+                fetch_metrics_body(s2.http_server.port),
+            )
+            assert [published_threads(p, "scheduler") for p in pages] == [0, 1]
+
+
+@gen_cluster(client=True, nthreads=[("", 1)])
+async def test_a_reader_in_another_thread(c, s, a):
+    """A reader of the registry in a thread of its own (``start_http_server`` of
+    prometheus_client, say) reads while the event loop digests new keys
+    """
+    from distributed.http.scheduler.prometheus.core import (
+        FineMetricsCollector as SchedulerCollector,
+    )
+    from distributed.http.worker.prometheus.core import WorkerMetricCollector
+
+    a.periodic_callbacks["heartbeat"].stop()
+    errors: list[BaseException] = []
+    done = threading.Event()
+
+    def read() -> None:
+        collectors = [WorkerMetricCollector(a), SchedulerCollector(s)]
+        while not done.is_set():
+            try:
+                for collector in collectors:
+                    for _ in collector.collect():
+                        pass
+            except BaseException as e:
+                errors.append(e)
+                return
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        for i in range(30_000):
+            key = ("execute", f"p{i}", "thread-cpu", "seconds")
+            a.digest_metric(key, 1.0)
+            s.cumulative_worker_metrics[key] = 1.0
+            if i % 100 == 0:
+                await asyncio.sleep(0)
+            if errors:
+                break
+    finally:
+        done.set()
+        reader.join()
+    assert errors == []
+
+
+@gen_cluster(client=True, nthreads=[("", 1)])
+async def test_scrape_survives_a_failed_digest(c, s, a):
+    """A failure to digest what the threads and the running tasks did is logged,
+    and the page still has all the rest
+    """
+    with mock.patch.object(
+        a, "digest_running", side_effect=RuntimeError("broken")
+    ), captured_logger("distributed.prometheus.worker") as log:
+        body = await fetch_metrics_body(a.http_server.port)
+    assert published_threads(body, "worker") == 1
+    assert "dask_worker_thread_seconds_total" in body
+    assert "Failed to digest" in log.getvalue()
+    assert "broken" in log.getvalue()

@@ -28,7 +28,7 @@ pytest.importorskip("bokeh")
 from bokeh.core.validation import check_integrity
 from tornado.httpclient import AsyncHTTPClient
 
-from distributed import Event, performance_report, wait
+from distributed import Event, Worker, performance_report, wait
 from distributed.core import Status
 from distributed.dashboard.components.scheduler import (
     FINE_METRICS_ACTIVITY_COLORS,
@@ -42,6 +42,7 @@ from distributed.dashboard.components.scheduler import (
 )
 from distributed.metrics import context_meter, time
 from distributed.scheduler import Scheduler
+from distributed.utils import open_port
 from distributed.utils_test import async_poll_for, captured_logger, gen_cluster, inc
 
 ACTIVITIES = ["execute", "gather-dep", "get-data", "memory-monitor"]
@@ -1413,6 +1414,50 @@ async def test_threads_over_time_worker_removed(c, s, a, b):
     fm.update()
     assert sum(points(fm)[-1].values()) == pytest.approx(1, rel=1e-6)
     assert_points_drawable(fm, 3)
+
+
+@gen_cluster(client=True, nthreads=[])
+async def test_threads_over_time_real_worker_restarted_at_its_address(c, s):
+    """A worker restarted at the address of one with more threads and more
+    seconds: the page, updated only once the new one delivered, counts it from
+    zero
+    """
+    port = open_port()
+    fm = FineMetricsBreakdown(s)
+    fm.update()
+    async with Worker(s.address, port=port, nthreads=4) as w:
+        w.periodic_callbacks["heartbeat"].stop()
+        await deliver(fm, w, n=3)
+        address = w.address
+    async with Worker(s.address, port=port, nthreads=1) as w:
+        w.periodic_callbacks["heartbeat"].stop()
+        assert w.address == address
+        await asyncio.sleep(0.1)
+        await w.heartbeat()
+        fm.update()
+        assert sum(points(fm)[-1].values()) == pytest.approx(1, rel=1e-6)
+    assert_points_drawable(fm, 4)
+
+
+def test_threads_over_time_never_go_back(monkeypatch):
+    """The points' times follow the wall clock as the page opened, and keep their
+    order when the wall clock is set back (by NTP, say)
+    """
+    from distributed.dashboard.components import scheduler as module
+
+    wall = time()
+    s = FakeScheduler(a=1)
+    fm = FineMetricsBreakdown(s)
+    fm.update()
+    for i in range(3):
+        monkeypatch.setattr(module, "time", lambda i=i: wall - 3600 * (i + 1))
+        post_threads(s, "a", busy=1.0)
+        fm.update()
+    assert fm.threads_over_time_source is not None
+    times = fm.threads_over_time_source.data["time"]
+    assert len(times) == 3
+    assert times == sorted(times)
+    assert times[0] == pytest.approx(wall * 1000, abs=60_000)
 
 
 def test_threads_history_is_bounded():
