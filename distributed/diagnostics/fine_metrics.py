@@ -334,15 +334,21 @@ def demo(
 
 def main(argv: Iterable[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m distributed.diagnostics.fine_metrics", description=__doc__
+        prog="python -m distributed.diagnostics.fine_metrics",
+        description=__doc__,
+        # The docstring's example stays on a line of its own
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
         "scheduler", nargs="?", help="scheduler address; omit to run the demo"
     )
     args = parser.parse_args(None if argv is None else list(argv))
     if args.scheduler:
-        with Client(args.scheduler) as client:
-            metrics = dict(cluster_fine_metrics(client))
+        try:
+            with Client(args.scheduler) as client:
+                metrics = dict(cluster_fine_metrics(client))
+        except OSError as e:
+            parser.exit(1, f"Could not reach the scheduler at {args.scheduler}: {e}\n")
         print(format_table(metrics))
         return
     demo()

@@ -9,6 +9,7 @@ import json
 import math
 import os
 import signal
+import subprocess
 import sys
 from collections import defaultdict
 from collections.abc import Mapping
@@ -780,6 +781,36 @@ async def test_cli_reads_the_scheduler(c, s, a):
     assert proc.returncode == 0
     table = out.decode()
     assert "gone" in table and "my-count" in table
+
+
+def test_cli_scheduler_unreachable():
+    """A scheduler that cannot be reached is said so in a line, not a traceback"""
+    address = f"tcp://127.0.0.1:{open_port()}"
+    proc = subprocess.run(
+        [sys.executable, "-m", "distributed.diagnostics.fine_metrics", address],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "DASK_DISTRIBUTED__COMM__TIMEOUTS__CONNECT": "1s"},
+    )
+    assert proc.returncode == 1
+    assert proc.stderr.startswith(f"Could not reach the scheduler at {address}: ")
+    assert "Traceback" not in proc.stderr
+
+
+def test_cli_help_keeps_the_example():
+    proc = subprocess.run(
+        [sys.executable, "-m", "distributed.diagnostics.fine_metrics", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0
+    lines = proc.stdout.splitlines()
+    assert (
+        "    python -m distributed.diagnostics.fine_metrics tcp://scheduler:8786"
+        in (lines)
+    )
 
 
 @gen_cluster(client=True)
