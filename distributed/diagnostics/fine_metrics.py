@@ -347,8 +347,13 @@ def main(argv: Iterable[str] | None = None) -> None:
         try:
             with Client(args.scheduler) as client:
                 metrics = dict(cluster_fine_metrics(client))
-        except OSError as e:
-            parser.exit(1, f"Could not reach the scheduler at {args.scheduler}: {e}\n")
+        except (OSError, ValueError) as e:
+            # Unreachable, lost, or not an address: a line, not a traceback
+            parser.exit(
+                1,
+                "Could not read the fine metrics of the scheduler at "
+                f"{args.scheduler}: {e}\n",
+            )
         print(format_table(metrics))
         return
     demo()

@@ -9,6 +9,7 @@ import json
 import math
 import os
 import signal
+import socket
 import subprocess
 import sys
 from collections import defaultdict
@@ -783,34 +784,38 @@ async def test_cli_reads_the_scheduler(c, s, a):
     assert "gone" in table and "my-count" in table
 
 
-def test_cli_scheduler_unreachable():
-    """A scheduler that cannot be reached is said so in a line, not a traceback"""
-    address = f"tcp://127.0.0.1:{open_port()}"
-    proc = subprocess.run(
-        [sys.executable, "-m", "distributed.diagnostics.fine_metrics", address],
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "distributed.diagnostics.fine_metrics", *args],
         capture_output=True,
         text=True,
         timeout=60,
         env={**os.environ, "DASK_DISTRIBUTED__COMM__TIMEOUTS__CONNECT": "1s"},
     )
-    assert proc.returncode == 1
-    assert proc.stderr.startswith(f"Could not reach the scheduler at {address}: ")
-    assert "Traceback" not in proc.stderr
+
+
+def test_cli_scheduler_unreachable():
+    """A scheduler that cannot be reached, or an address that is none, is said so
+    in a line, not a traceback
+    """
+    # A port that is taken, and where nothing listens: the connection is refused
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        closed = f"tcp://127.0.0.1:{taken.getsockname()[1]}"
+        refused = run_cli(closed)
+    for proc, given in [(refused, closed), (run_cli("127.0.0.1"), "127.0.0.1")]:
+        assert proc.returncode == 1
+        assert proc.stderr.startswith(
+            f"Could not read the fine metrics of the scheduler at {given}: "
+        )
+        assert "Traceback" not in proc.stderr
 
 
 def test_cli_help_keeps_the_example():
-    proc = subprocess.run(
-        [sys.executable, "-m", "distributed.diagnostics.fine_metrics", "--help"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    proc = run_cli("--help")
     assert proc.returncode == 0
-    lines = proc.stdout.splitlines()
-    assert (
-        "    python -m distributed.diagnostics.fine_metrics tcp://scheduler:8786"
-        in (lines)
-    )
+    example = "    python -m distributed.diagnostics.fine_metrics tcp://scheduler:8786"
+    assert example in proc.stdout.splitlines()
 
 
 @gen_cluster(client=True)

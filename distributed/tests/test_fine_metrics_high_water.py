@@ -177,6 +177,41 @@ def test_collector_high_water_with_the_cardinality_switches(config, prefix):
         assert not any(len(k) == 4 and k[1] == "threads" for k in samples)
 
 
+class FakeWorker:
+    """What WorkerMetricCollector.collect_fine_metrics reads of a worker"""
+
+    def __init__(self, metrics: dict[tuple, float]):
+        self.digests_total = metrics
+
+
+@pytest.mark.parametrize("subsystem", ["scheduler", "worker"])
+def test_marks_are_updated_under_their_lock(subsystem):
+    """Two readers of the registry at once, in two threads, can't interleave their
+    updates of the marks (which could lower one): a collector waits for the lock
+    """
+    from distributed.http.worker.prometheus.core import WorkerMetricCollector
+
+    collector: FineMetricsCollector | WorkerMetricCollector
+    if subsystem == "scheduler":
+        collector = FineMetricsCollector(FakeScheduler({NONCPU: 1.0}))  # type: ignore[arg-type]
+        collect = collector.collect
+    else:
+        collector = WorkerMetricCollector(FakeWorker({NONCPU: 1.0}))  # type: ignore[arg-type]
+        collect = collector.collect_fine_metrics
+    done = threading.Event()
+
+    def read() -> None:
+        list(collect())
+        done.set()
+
+    reader = threading.Thread(target=read)
+    with collector._marks.lock:
+        reader.start()
+        assert not done.wait(0.2)
+    reader.join(timeout=5)
+    assert done.is_set()
+
+
 def test_shown_prefixes_are_per_scheduler():
     """Two schedulers in one process, scraped in turn: each keeps the prefixes it
     showed, whatever the other showed meanwhile
