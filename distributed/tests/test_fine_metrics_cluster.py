@@ -385,6 +385,54 @@ async def test_retire_workers_delivers(c, s, a, b):
     assert_equal_totals(s.cumulative_worker_metrics, worker_totals(a, b))
 
 
+@gen_cluster(client=True, nthreads=[])
+async def test_last_delivery_after_another_worker_took_the_address(c, s):
+    """A closing worker's last delivery may reach the scheduler, on its stream,
+    after another worker started at its address (a nanny restarting it on a fixed
+    port, say): it is applied once, as the departed worker's, and the new worker's
+    own deliveries go on
+    """
+    port = open_port()
+    held = []
+    async with Worker(s.address, port=port, nthreads=1) as a:
+        stop_heartbeats(a)
+        for i in range(3):  # a's deliveries get ahead of those of the next one
+            await c.submit(posting, i, key=f"posting-{i}")
+            await a.heartbeat()
+        a.digest_metric(("execute", "posting", "my-count", "count"), 100)
+        send = a.batched_send
+
+        def hold_fine_metrics(msg):
+            if msg["op"] == "worker-fine-metrics":
+                held.append(msg)
+            else:
+                send(msg)
+
+        a.batched_send = hold_fine_metrics  # type: ignore[method-assign]
+    await async_poll_for(lambda: not s.workers, timeout=5)
+    [msg] = held
+    assert msg["server_id"] == a.id
+    assert msg["delivery"]["seq"] > 3
+
+    async with Worker(s.address, port=port, nthreads=1) as b:
+        assert b.address == a.address
+        stop_heartbeats(b)
+        await c.submit(posting, 10, key="posting-10")
+        await b.heartbeat()
+        # a's last delivery arrives now
+        s.handle_worker_fine_metrics_stream(
+            worker=a.address, delivery=msg["delivery"], server_id=msg["server_id"]
+        )
+        await c.submit(posting, 11, key="posting-11")
+        await settle(b)
+        await b.heartbeat()
+        assert_equal_totals(s.cumulative_worker_metrics, worker_totals(a, b))
+        short: dict = defaultdict(int)
+        for k, v in worker_totals(b).items():
+            short[without_prefix(k)] += v
+        assert_equal_totals(s.fine_metrics_by_worker()[b.address], short)
+
+
 @pytest.mark.slow
 @gen_cluster(client=True, Worker=Nanny, nthreads=[("", 1)])
 async def test_worker_killed_keeps_up_to_last_delivery(c, s, a):
