@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install Debian packages, without their recommended packages, unless the
 # executables they provide are all there already; then check that they are.
-# Shared by tools/install-prometheus.sh and tools/install-chromium.sh.
+# Shared by tools/install-prometheus.sh, tools/install-chromium.sh and
+# tools/install-valgrind.sh.
 #
 # Usage: tools/apt-install.sh EXECUTABLE... -- PACKAGE...
 #        (as root, or with sudo available)

@@ -14,6 +14,8 @@ from types import ModuleType
 
 import pytest
 
+from distributed.tests.utils_ci import skip_or_fail
+
 BENCH = Path(__file__).resolve().parent.parent
 
 #: The tail of what cachegrind prints on stderr (valgrind 3.19)
@@ -240,20 +242,26 @@ def test_build_section_lib_failing(instructions, monkeypatch, tmp_path):
         instructions.build_section_lib(str(tmp_path))
 
 
-#: What building section.c needs, if missing: a reason to skip
-NO_SECTION_BUILD = (
-    "needs gcc and valgrind's headers"
-    if shutil.which("gcc") is None
-    or not Path("/usr/include/valgrind/callgrind.h").exists()
-    else None
-)
+def require_valgrind() -> None:
+    """Skip the test if valgrind is missing (fail it on CI)"""
+    if shutil.which("valgrind") is None:
+        skip_or_fail("valgrind is not installed: tools/install-valgrind.sh")
 
 
-@pytest.mark.skipif(NO_SECTION_BUILD is not None, reason=str(NO_SECTION_BUILD))
+def require_section_build() -> None:
+    """Skip the test if what building section.c needs is missing (fail it on CI)"""
+    if (
+        shutil.which("gcc") is None
+        or not Path("/usr/include/valgrind/callgrind.h").exists()
+    ):
+        skip_or_fail("needs gcc and valgrind's headers: tools/install-valgrind.sh")
+
+
 def test_build_section_lib(instructions, tmp_path):
     """The library builds, has the functions that _common calls, and does nothing
     outside valgrind
     """
+    require_section_build()
     lib = ctypes.CDLL(instructions.build_section_lib(str(tmp_path)))
     lib.section_start()
     lib.section_stop()
@@ -299,12 +307,12 @@ with measured_section():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(shutil.which("valgrind") is None, reason="needs valgrind")
-@pytest.mark.skipif(NO_SECTION_BUILD is not None, reason=str(NO_SECTION_BUILD))
 def test_section_counts_only_the_section(instructions, tmp_path):
     """Under callgrind, the dump of the section has the work inside it, not the
     imports nor the work before it
     """
+    require_valgrind()
+    require_section_build()
     lib = instructions.build_section_lib(str(tmp_path))
     script = tmp_path / "script.py"
     script.write_text(SECTION_SCRIPT)
@@ -332,20 +340,13 @@ def test_section_counts_only_the_section(instructions, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(shutil.which("valgrind") is None, reason="needs valgrind")
 @pytest.mark.parametrize(
     "workload, method",
     [
         ("worker", []),
         ("trivial", []),
         ("trivial-default", []),
-        pytest.param(
-            "trivial",
-            ["--section"],
-            marks=pytest.mark.skipif(
-                NO_SECTION_BUILD is not None, reason=str(NO_SECTION_BUILD)
-            ),
-        ),
+        ("trivial", ["--section"]),
     ],
     ids=["worker", "trivial", "trivial-default", "trivial-section"],
 )
@@ -353,6 +354,9 @@ def test_end_to_end(tmp_path, workload, method):
     """The interpreter running the tests on both sides: an A/A pair. One side is
     given by a path relative to the caller's directory, as make does.
     """
+    require_valgrind()
+    if "--section" in method:
+        require_section_build()
     python = Path(sys.executable)
     relative = os.path.relpath(python, tmp_path)
     proc = subprocess.run(

@@ -34,7 +34,11 @@ from distributed.tests.utils_browser import (
     tab_titles,
     wait_until,
 )
-from distributed.tests.utils_ci import loopback_process_cluster, skip_or_fail
+from distributed.tests.utils_ci import (
+    import_or_skip,
+    loopback_process_cluster,
+    skip_or_fail,
+)
 
 # The tests without a browser too: they test the browser's helpers
 pytestmark = pytest.mark.browser
@@ -139,6 +143,18 @@ def test_missing_selenium_skips_or_fails_on_ci(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setenv("CI", "true")
     with pytest.raises(pytest.fail.Exception, match="selenium is not installed"):
         utils_browser.require_browser()
+
+
+def test_missing_library_skips_or_fails_on_ci(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "prometheus_client", None)  # type: ignore[misc]
+    monkeypatch.delenv("CI", raising=False)
+    with pytest.raises(pytest.skip.Exception, match="prometheus_client can't be"):
+        import_or_skip("prometheus_client")
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="make install installs it"):
+        import_or_skip("prometheus_client")
+    monkeypatch.undo()
+    assert import_or_skip("prometheus_client") is sys.modules["prometheus_client"]
 
 
 def test_decode_nan_and_infinities() -> None:

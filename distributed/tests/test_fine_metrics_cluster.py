@@ -30,6 +30,7 @@ from distributed.metrics import (
     parse_fine_metrics_delivery,
     without_prefix,
 )
+from distributed.tests.utils_ci import import_or_skip
 from distributed.utils import open_port
 from distributed.utils_test import (
     async_poll_for,
@@ -619,7 +620,7 @@ def test_fine_metrics_snapshot():
 
 
 def test_fine_metrics_to_dataframe():
-    pd = pytest.importorskip("pandas")
+    pd = import_or_skip("pandas")
     fm = FineMetrics(
         {
             ("execute", "sum", "thread-cpu", "seconds"): 1.5,
@@ -725,7 +726,7 @@ def parse_families(body: str) -> dict:
 
 @gen_cluster(client=True)
 async def test_prometheus_scheduler_families(c, s, a, b):
-    pytest.importorskip("prometheus_client")
+    import_or_skip("prometheus_client")
     await workload(c, a, b)
     await c.get_fine_metrics()
     families = parse_families(await fetch(s.http_server.port, "/metrics"))
@@ -761,7 +762,7 @@ async def test_prometheus_scheduler_families(c, s, a, b):
     config={"distributed.scheduler.fine-metrics.prometheus.task-prefix": False},
 )
 async def test_prometheus_without_prefix(c, s, a, b):
-    pytest.importorskip("prometheus_client")
+    import_or_skip("prometheus_client")
     await workload(c, a, b)
     await c.get_fine_metrics()
     families = parse_families(await fetch(s.http_server.port, "/metrics"))
@@ -783,7 +784,7 @@ async def test_prometheus_without_prefix(c, s, a, b):
     config={"distributed.scheduler.fine-metrics.prometheus.max-task-prefixes": 2},
 )
 async def test_prometheus_max_task_prefixes(c, s, a):
-    pytest.importorskip("prometheus_client")
+    import_or_skip("prometheus_client")
     await c.submit(slowinc, 1, delay=0.2, key="big-1")
     await c.submit(slowinc, 1, delay=0.1, key="medium-1")
     await c.submit(inc, 1, key="small-1")
@@ -908,7 +909,7 @@ async def test_metrics_msgpack_cannot_carry(c, s, a):
 
 
 def numpy_metrics():
-    np = pytest.importorskip("numpy")
+    np = import_or_skip("numpy")
     # What a task often has at hand: np.int64, np.float64
     context_meter.digest_metric("rows", np.arange(5).sum(), "count")
     context_meter.digest_metric("wait", np.float64(0.25), "seconds")

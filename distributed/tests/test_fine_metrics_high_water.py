@@ -13,7 +13,9 @@ from unittest import mock
 
 import pytest
 
-pytest.importorskip("prometheus_client")
+from distributed.tests.utils_ci import import_or_skip
+
+import_or_skip("prometheus_client")
 
 import dask.config
 

@@ -14,6 +14,7 @@ import pytest
 
 from distributed import metrics
 from distributed.metrics import DelayedMetricsLedger, MeterOutput, context_meter
+from distributed.tests.utils_ci import import_or_skip
 from distributed.utils_test import captured_logger, gen_test
 
 
@@ -432,7 +433,7 @@ def test_context_meter_nested_floor():
 def test_context_meter_pickle():
     assert pickle.loads(pickle.dumps(context_meter)) is context_meter
 
-    cloudpickle = pytest.importorskip("cloudpickle")
+    cloudpickle = import_or_skip("cloudpickle")
     assert cloudpickle.loads(cloudpickle.dumps(context_meter)) is context_meter
 
 
@@ -586,7 +587,7 @@ def test_digest_metric_other_real_numbers():
         context_meter.digest_metric("y", -1.5, "seconds")
     assert out == [("x", Fraction(1, 2), "seconds"), ("y", -1.5, "seconds")]
 
-    np = pytest.importorskip("numpy")
+    np = import_or_skip("numpy")
     with context_meter.add_callback(lambda *args: out.append(args)):
         context_meter.digest_metric("z", np.int64(3), "count")
         with pytest.raises(ValueError, match="finite"):

@@ -2,7 +2,9 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("lz4")
+from distributed.tests.utils_ci import import_or_skip
+
+import_or_skip("lz4")
 
 import dask
 

@@ -14,6 +14,7 @@ import zict
 from distributed.metrics import DelayedMetricsLedger, context_meter
 from distributed.sizeof import sizeof
 from distributed.spill import SpillBuffer, SpilledSize, has_zict_220
+from distributed.tests.utils_ci import import_or_skip
 from distributed.utils_test import captured_logger
 
 SPILL_LABELS = {
@@ -574,7 +575,7 @@ def test_spill_labels_do_not_depend_on_sizes(tmp_path, compression, size):
     payload was big enough, or compressible enough, to be compressed
     """
     if compression == "lz4":
-        pytest.importorskip("lz4")
+        import_or_skip("lz4")
     value = b"0" * size
     buf = SpillBuffer(str(tmp_path), target=1_000_000)
     with dask.config.set({"distributed.comm.compression": compression}):

@@ -2,7 +2,9 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("prometheus_client")
+from distributed.tests.utils_ci import import_or_skip
+
+import_or_skip("prometheus_client")
 
 from distributed import wait
 from distributed.spill import SpillBuffer

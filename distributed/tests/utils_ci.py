@@ -7,7 +7,9 @@ missing one fails the test instead: CI cannot silently lose the tests that need 
 """
 from __future__ import annotations
 
+import importlib
 import os
+from types import ModuleType
 from typing import Any, NoReturn
 
 import pytest
@@ -34,6 +36,22 @@ def skip_or_fail(reason: str) -> NoReturn:
     if on_ci():
         pytest.fail(f"{reason}; CI=true, so this fails instead of skipping")
     pytest.skip(reason, allow_module_level=True)
+
+
+def import_or_skip(name: str) -> ModuleType:
+    """Import a module that the constraints of ``continuous_integration/`` pin, and
+    that ``make install`` installs; if it can't be imported, skip the test (or the
+    module, at import), but fail it on CI
+
+    Parameters
+    ----------
+    name : str
+        The module's name, e.g. ``"prometheus_client"``
+    """
+    try:
+        return importlib.import_module(name)
+    except ImportError as e:
+        skip_or_fail(f"{name} can't be imported ({e}): make install installs it")
 
 
 def require_executable(path: str, install_hint: str) -> str:

@@ -24,7 +24,9 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("bokeh")
+from distributed.tests.utils_ci import import_or_skip
+
+import_or_skip("bokeh")
 from bokeh.core.validation import check_integrity
 from tornado.httpclient import AsyncHTTPClient
 
