@@ -142,12 +142,12 @@ def test_collector_publishes_the_high_water_mark():
         ({"distributed.scheduler.fine-metrics.prometheus.task-prefix": False}, None),
         (
             {"distributed.scheduler.fine-metrics.prometheus.max-task-prefixes": 1},
-            "other",
+            "(other)",
         ),
     ],
 )
 def test_collector_high_water_with_the_cardinality_switches(config, prefix):
-    """Without the prefix label, and for the prefixes added up under ``other``, a
+    """Without the prefix label, and for the prefixes added up under ``(other)``, a
     series is the sum of several keys: the mark is that of the sum
     """
     store = {
@@ -235,13 +235,13 @@ def test_shown_prefixes_are_per_scheduler():
         {"distributed.scheduler.fine-metrics.prometheus.max-task-prefixes": 2}
     ):
         collector = FineMetricsCollector(first)  # type: ignore[arg-type]
-        assert prefixes(collected(collector)) == {"a": 3.0, "b": 2.0, "other": 1.0}
+        assert prefixes(collected(collector)) == {"a": 3.0, "b": 2.0, "(other)": 1.0}
         collector.server = second  # type: ignore[assignment]
         assert prefixes(collected(collector)) == {"x": 5.0}
-        # c outgrows a and b: it was not shown, and stays under other
+        # c outgrows a and b: it was not shown, and stays under (other)
         first.cumulative_worker_metrics[cpu("c")] = 10.0
         collector.server = first  # type: ignore[assignment]
-        assert prefixes(collected(collector)) == {"a": 3.0, "b": 2.0, "other": 10.0}
+        assert prefixes(collected(collector)) == {"a": 3.0, "b": 2.0, "(other)": 10.0}
         # ...and forgets a scheduler that is gone
         collector.server = second  # type: ignore[assignment]
         del first
