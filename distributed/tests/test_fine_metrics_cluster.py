@@ -713,9 +713,39 @@ async def test_http_route(c, s, a, b):
     assert by_key["execute", "odd", '["a", "tuple"]', "count"] == 1
     assert by_key["execute", "odd", "\"frozenset({'x'})\"", "count"] == 2
     assert by_key["execute", "odd", "42", "count"] == 3
-    assert ("get-data", None, '"network"', "seconds") in by_key
+    network = s.cumulative_worker_metrics["get-data", "network", "seconds"]
+    assert network > 0
+    assert by_key["get-data", None, '"network"', "seconds"] == network
     for r in records:
         assert set(r) == {"activity", "task_prefix", "label", "unit", "value"}
+
+
+def huge_float():
+    context_meter.digest_metric("huge", 1e308, "bytes")
+    context_meter.digest_metric("huge", 1e308, "seconds")
+    context_meter.digest_metric("fine", 1, "count")
+
+
+@gen_cluster(
+    client=True,
+    config={"distributed.scheduler.http.routes": ["distributed.http.scheduler.api"]},
+)
+async def test_store_overflowing_to_inf(c, s, a, b):
+    """Each delivery is finite, but their sum overflows: the HTTP route gives null
+    for it, rather than failing as a whole, and the table shows it as inf
+    """
+    await c.submit(huge_float, key="huge-1", workers=[a.address])
+    await c.submit(huge_float, key="huge-2", workers=[b.address])
+    fm = await c.get_fine_metrics()
+    assert fm["execute", "huge", "huge", "bytes"] == math.inf
+    body = await fetch(s.http_server.port, "/api/v1/fine_metrics")
+    by_key = {(r["task_prefix"], r["label"], r["unit"]): r for r in json.loads(body)}
+    assert by_key["huge", "huge", "bytes"]["value"] is None
+    assert by_key["huge", "huge", "seconds"]["value"] is None
+    assert by_key["huge", "fine", "count"]["value"] == 2
+    rows = [line.split() for line in fm.table().splitlines()]
+    assert ["execute", "huge", "huge", "inf", "inf"] in rows
+    assert ["execute", "huge", "fine", "2"] in rows
 
 
 def parse_families(body: str) -> dict:
