@@ -19,7 +19,7 @@ import pytest
 
 import dask
 
-from distributed import Client, LocalCluster, Nanny, Worker, get_fine_metrics
+from distributed import Client, LocalCluster, Nanny, Scheduler, Worker, get_fine_metrics
 from distributed.core import Status
 from distributed.metrics import (
     FineMetrics,
@@ -1137,3 +1137,82 @@ async def test_flush_with_non_canonical_address(c, s, a):
     assert other_form != a.address
     assert s.handle_worker_fine_metrics(worker=other_form, delivery=delivery) == 1
     assert s.cumulative_worker_metrics["execute", "posting", "my-count", "count"] == 1
+
+
+class _RegistrationReplyOf2023_3_1:
+    """A comm whose messages lose what 2023.3.1's reply to a worker's registration
+    did not have
+    """
+
+    def __init__(self, comm):
+        self._comm = comm
+
+    async def write(self, msg, *args, **kwargs):
+        if isinstance(msg, dict):
+            msg = {k: v for k, v in msg.items() if k != "fine-metrics"}
+        return await self._comm.write(msg, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._comm, name)
+
+
+class SchedulerOf2023_3_1(Scheduler):
+    """What a worker of the fork meets in a scheduler of 2023.3.1: no word of fine
+    metrics when it registers, a heartbeat that takes no ``fine_metrics``, and no
+    stream op ``worker-fine-metrics``
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        del self.stream_handlers["worker-fine-metrics"]
+        del self.handlers["worker_fine_metrics"]
+        self.handlers["heartbeat_worker"] = self.heartbeat_of_2023_3_1
+
+    async def add_worker(self, comm, **kwargs):
+        return await super().add_worker(_RegistrationReplyOf2023_3_1(comm), **kwargs)
+
+    def heartbeat_of_2023_3_1(
+        self,
+        comm=None,
+        *,
+        address,
+        resolve_address=True,
+        now=None,
+        resources=None,
+        host_info=None,
+        metrics,
+        executing=None,
+        extensions=None,
+    ):
+        return self.heartbeat_worker(
+            address=address,
+            resolve_address=resolve_address,
+            now=now,
+            resources=resources,
+            host_info=host_info,
+            metrics=metrics,
+            executing=executing,
+            extensions=extensions,
+        )
+
+
+@gen_test()
+async def test_worker_with_a_scheduler_of_2023_3_1():
+    """A worker of the fork keeps its fine metrics to itself with a scheduler that
+    does not take them, rather than failing its heartbeat, and closing with it
+    """
+    async with SchedulerOf2023_3_1(dashboard_address=":0") as s:
+        async with Worker(s.address, nthreads=1) as a:
+            assert not a._scheduler_takes_fine_metrics
+            async with Client(s.address, asynchronous=True) as c:
+                assert await c.submit(posting, 1, key="posting-1") == 2
+                with captured_logger("distributed.worker") as log:
+                    await a.heartbeat()
+                assert not log.getvalue()
+                assert a.status == Status.running
+            key = ("execute", "posting", "my-count", "count")
+            assert a.digests_total[key] == 1
+        # The closing worker sent no delivery on its stream either
+        await async_poll_for(lambda: not s.workers, timeout=5)
+        assert a.status == Status.closed
+        assert not s.cumulative_worker_metrics
