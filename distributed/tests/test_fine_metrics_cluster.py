@@ -20,6 +20,7 @@ import pytest
 import dask
 
 from distributed import Client, LocalCluster, Nanny, Scheduler, Worker, get_fine_metrics
+from distributed.client import NoFineMetricsError
 from distributed.core import Status
 from distributed.metrics import (
     FineMetrics,
@@ -1159,13 +1160,14 @@ class _RegistrationReplyOf2023_3_1:
 class SchedulerOf2023_3_1(Scheduler):
     """What a worker of the fork meets in a scheduler of 2023.3.1: no word of fine
     metrics when it registers, a heartbeat that takes no ``fine_metrics``, and no
-    stream op ``worker-fine-metrics``
+    stream op ``worker-fine-metrics``, nor any other handler of them
     """
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         del self.stream_handlers["worker-fine-metrics"]
         del self.handlers["worker_fine_metrics"]
+        del self.handlers["get_fine_metrics"]
         self.handlers["heartbeat_worker"] = self.heartbeat_of_2023_3_1
 
     async def add_worker(self, comm, **kwargs):
@@ -1199,7 +1201,8 @@ class SchedulerOf2023_3_1(Scheduler):
 @gen_test()
 async def test_worker_with_a_scheduler_of_2023_3_1():
     """A worker of the fork keeps its fine metrics to itself with a scheduler that
-    does not take them, rather than failing its heartbeat, and closing with it
+    does not take them, rather than failing its heartbeat, and closing with it; a
+    client asking for them is told that the scheduler has none
     """
     async with SchedulerOf2023_3_1(dashboard_address=":0") as s:
         async with Worker(s.address, nthreads=1) as a:
@@ -1210,6 +1213,9 @@ async def test_worker_with_a_scheduler_of_2023_3_1():
                     await a.heartbeat()
                 assert not log.getvalue()
                 assert a.status == Status.running
+                # ...and the client says what it is
+                with pytest.raises(NoFineMetricsError, match="without them"):
+                    await c.get_fine_metrics()
             key = ("execute", "posting", "my-count", "count")
             assert a.digests_total[key] == 1
         # The closing worker sent no delivery on its stream either
