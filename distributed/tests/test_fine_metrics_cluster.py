@@ -912,6 +912,7 @@ async def test_flush_tolerates_a_failing_worker(c, s, a, b):
     """A worker whose flush fails doesn't fail get_fine_metrics; the others'
     metrics are in
     """
+    stop_heartbeats(a, b)
     await workload(c, a, b)
 
     async def broken():
@@ -920,7 +921,41 @@ async def test_flush_tolerates_a_failing_worker(c, s, a, b):
     a.handlers["fine_metrics_flush"] = broken
     with captured_logger("distributed.core"):
         fm = await c.get_fine_metrics()
-    assert ("execute", "inc", "other", "seconds") in fm  # b's task
+    assert_flushed_but(fm, b, a)
+
+
+def assert_flushed_but(fm, flushed, failed) -> None:
+    """The snapshot has all that ``flushed`` gathered, and not what ``failed`` did
+    since its last heartbeat (the task posting-1, which posts my-count)
+    """
+    short: dict = defaultdict(int)
+    for k, v in worker_totals(flushed).items():
+        short[without_prefix(k)] += v
+    assert_equal_totals(fm.workers[flushed.address], short)
+    assert fm["execute", "inc", "other", "seconds"] > 0  # flushed's task
+    assert failed.digests_total["execute", "posting", "my-count", "count"] == 1
+    assert ("execute", "posting", "my-count", "count") not in fm
+
+
+@gen_cluster(client=True, config={"distributed.comm.timeouts.connect": "1s"})
+async def test_flush_skips_a_worker_that_does_not_answer(c, s, a, b):
+    """A worker that does not answer within distributed.comm.timeouts.connect is
+    skipped; it delivers again once it answers
+    """
+    stop_heartbeats(a, b)
+    await workload(c, a, b)
+    release = asyncio.Event()
+
+    async def hang():
+        await release.wait()
+
+    a.handlers["fine_metrics_flush"] = hang
+    fm = await c.get_fine_metrics()
+    assert_flushed_but(fm, b, a)
+    release.set()
+    a.handlers["fine_metrics_flush"] = a.flush_fine_metrics
+    fm = await c.get_fine_metrics()
+    assert fm["execute", "posting", "my-count", "count"] == 1
 
 
 def big_int():
