@@ -200,6 +200,16 @@ def test_marks_are_updated_under_their_lock(subsystem):
     else:
         collector = WorkerMetricCollector(FakeWorker({NONCPU: 1.0}))  # type: ignore[arg-type]
         collect = collector.collect_fine_metrics
+    lock = OwnedLock()
+    collector._marks.lock = lock  # type: ignore[assignment]
+    updated = []
+
+    def checked_high_water(marks, series, value):
+        # Every mark is updated by the thread that holds the lock
+        assert lock.owner == threading.get_ident()
+        updated.append(series)
+        return high_water(marks, series, value)
+
     done = threading.Event()
 
     def read() -> None:
@@ -207,11 +217,30 @@ def test_marks_are_updated_under_their_lock(subsystem):
         done.set()
 
     reader = threading.Thread(target=read)
-    with collector._marks.lock:
-        reader.start()
-        assert not done.wait(0.2)
-    reader.join(timeout=5)
+    with mock.patch("distributed.http.prometheus.high_water", checked_high_water):
+        with lock:
+            reader.start()
+            assert not done.wait(0.2)
+        reader.join(timeout=5)
     assert done.is_set()
+    assert updated
+
+
+class OwnedLock:
+    """A lock that knows which thread holds it"""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.owner: int | None = None
+
+    def __enter__(self) -> OwnedLock:
+        self._lock.acquire()
+        self.owner = threading.get_ident()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.owner = None
+        self._lock.release()
 
 
 def test_shown_prefixes_are_per_scheduler():
@@ -518,6 +547,7 @@ async def test_a_reader_in_another_thread(c, s, a):
     a.periodic_callbacks["heartbeat"].stop()
     errors: list[BaseException] = []
     done = threading.Event()
+    passes = []  # The size of the scheduler's store after each pass of the reader
 
     def read() -> None:
         collectors = [WorkerMetricCollector(a), SchedulerCollector(s)]
@@ -526,6 +556,7 @@ async def test_a_reader_in_another_thread(c, s, a):
                 for collector in collectors:
                     for _ in collector.collect():
                         pass
+                passes.append(len(s.cumulative_worker_metrics))
             except BaseException as e:
                 errors.append(e)
                 return
@@ -533,18 +564,20 @@ async def test_a_reader_in_another_thread(c, s, a):
     reader = threading.Thread(target=read)
     reader.start()
     try:
-        for i in range(30_000):
+        # New keys, until the reader has read them several times meanwhile
+        i = 0
+        while len(passes) < 2 and not errors and i < 1_000_000:
             key = ("execute", f"p{i}", "thread-cpu", "seconds")
             a.digest_metric(key, 1.0)
             s.cumulative_worker_metrics[key] = 1.0
+            i += 1
             if i % 100 == 0:
                 await asyncio.sleep(0)
-            if errors:
-                break
     finally:
         done.set()
         reader.join()
     assert errors == []
+    assert len(passes) >= 2
 
 
 @gen_cluster(client=True, nthreads=[("", 1)])

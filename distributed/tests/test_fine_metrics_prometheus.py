@@ -435,7 +435,7 @@ def check_thread_seconds_rates(
 ) -> None:
     """Prometheus sees the threads' seconds of each worker grow by its number of
     threads per second, and those of the cluster by the cluster's; the efficiency
-    of the threads is a share
+    of the threads, idle after the workload, is low
     """
     window = "10s"  # 10 scrapes (see run_prometheus)
     workers = 'job=~"worker-.+"'
@@ -489,7 +489,9 @@ def check_thread_seconds_rates(
             f'sum(rate({family}{{{job},state="busy"}}[{window}])) '
             f"/ sum(rate({family}{{{job}}}[{window}]))",
         )
-        assert 0 <= efficiency <= 1, family
+        # The workers have been idle for most of the window, and their idle
+        # seconds count: were they left out, it would be 1
+        assert 0 <= efficiency < 0.5, family
 
 
 # promtool

@@ -753,7 +753,7 @@ async def test_running_task_posts_at_each_delivery(c, s, a, monkeypatch):
         await asyncio.sleep(0.05)
     await x
     # The totals grew while the task ran: CPU time, then the rest
-    assert len(seen) >= 6, seen
+    assert len(seen) >= 4, seen
     assert seen == sorted(seen)
     assert all(
         cpu_2 >= cpu_1 and noncpu_2 >= noncpu_1
@@ -1007,8 +1007,13 @@ async def test_scheduler_sees_the_threads_seconds_grow(c, s, a, b):
         )
 
     before = total()
-    t0 = time.perf_counter()
+    last = {w: w.thread_seconds.last for w in (a, b)}
     await asyncio.sleep(0.5)
     await c.get_fine_metrics(flush=True)
-    elapsed = time.perf_counter() - t0
-    assert total() - before == pytest.approx(4 * elapsed, rel=0.05)
+    # Each worker's threads, over the time between the two deliveries by its
+    # account's clock, which covers the sleep
+    gained = {w: w.thread_seconds.last - last[w] for w in (a, b)}
+    assert all(g > 0.5 for g in gained.values())
+    assert total() - before == pytest.approx(
+        sum(w.state.nthreads * g for w, g in gained.items()), rel=1e-9
+    )
