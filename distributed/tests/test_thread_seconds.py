@@ -13,7 +13,7 @@ import pytest
 
 import dask
 
-from distributed import Event
+from distributed import Event, WorkerPlugin
 from distributed import metrics as metrics_module
 from distributed import rejoin, secede, worker_client
 from distributed.core import Status
@@ -125,6 +125,25 @@ def test_account_told_late_does_not_rewrite_an_idle_label():
         "idle-fetching-inputs": pytest.approx(4.0),
     }
     assert sum(after.values()) == pytest.approx(2 * 3.1)
+
+
+def test_account_told_late_counts_no_thread_twice():
+    """A thread taken back at 3.0 (a rejoin() in a task's thread) and told after the
+    owner handled a thread given back at 5.0 (the end of another task): on a pool
+    of one thread, both are not counted between 3.0 and 5.0
+    """
+    clock = FakeClock()
+    account = ThreadSecondsAccount(1, "idle-no-tasks", func=clock)
+    account.acquire(0.0)
+    account.release(5.0)
+    account.acquire(3.0)
+    clock.now = 6.0
+    account.advance()
+    assert account.totals == {"busy": 6.0, "idle-no-tasks": 0.0}
+    account.release(5.5)  # Given back at 5.5, told after the advance() at 6.0
+    clock.now = 7.0
+    account.advance()
+    assert account.totals == {"busy": 6.0, "idle-no-tasks": 1.0}
 
 
 def test_account_calls_from_other_threads_go_through_the_loop():
@@ -314,6 +333,34 @@ async def test_partition_of_a_worker_with_two_threads(c, s, a, b):
         "idle-constrained",
     ):
         assert whole[label] > 0, label
+
+
+@gen_cluster(
+    client=True,
+    nthreads=[("", 2)],
+    worker_kwargs={"memory_limit": "10 GB"},
+    config={
+        "distributed.worker.memory.target": False,
+        "distributed.worker.memory.spill": False,
+        "distributed.worker.memory.pause": 0.8,
+        "distributed.worker.memory.monitor-interval": "10ms",
+    },
+)
+async def test_paused_worker_that_starts_closing(c, s, a):
+    """A paused worker that starts to retire (which may take long, replicating its
+    data) has no task to run any more: its idle threads are no longer paused
+    """
+    a.monitor.get_process_memory = lambda: 900 * 1000**3
+    await async_poll_for(lambda: a.status == Status.paused, timeout=5)
+    with Phase(a) as paused:
+        await asyncio.sleep(0.1)
+    assert set(paused.delta) == {"idle-paused"}
+    # What Worker.close_gracefully does first
+    a.status = Status.closing_gracefully
+    with Phase(a) as closing:
+        await asyncio.sleep(0.1)
+    assert set(closing.delta) == {"idle-no-tasks"}
+    closing.assert_partition()
 
 
 @gen_cluster(
@@ -534,6 +581,55 @@ async def test_seceded_task_that_fails(c, s, a):
     assert bd["seceded"] >= 0.5
     assert bd["failed"] < 0.1
     phase.assert_partition()
+
+
+def away_then_back(ev: Event) -> int:
+    secede()
+    ev.wait()
+    rejoin()
+    time.sleep(0.2)
+    return 1
+
+
+def wait_then_sleep_briefly(ev: Event) -> int:
+    ev.wait()
+    time.sleep(0.2)
+    return 1
+
+
+class SlowEndOf(WorkerPlugin):
+    """Python work on the event loop when a task ends (a plugin that logs, e.g.)"""
+
+    def __init__(self, key: str):
+        self.key = key
+
+    def transition(self, key, start, finish, **kwargs):
+        if key == self.key and finish == "memory":
+            t0 = time.perf_counter()
+            while time.perf_counter() - t0 < 0.3:
+                pass
+
+
+@gen_cluster(client=True, nthreads=[("", 1)])
+async def test_rejoin_told_after_the_end_of_the_other_task(c, s, a):
+    """A task rejoins as soon as the other one's function returns, while the loop
+    spends 0.3 s on the other's end: whichever the loop learns of first (it is a
+    race; test_account_told_late_counts_no_thread_twice pins the late case), no
+    state goes down, and no more threads than the worker has are busy
+    """
+    await c.register_worker_plugin(SlowEndOf("other-1"))
+    back, other = Event(), Event()
+    with Phase(a) as phase:
+        x = c.submit(away_then_back, back, key="back-1")
+        await async_poll_for(lambda: a.state.long_running, timeout=5)
+        y = c.submit(wait_then_sleep_briefly, other, key="other-1")
+        await async_poll_for(lambda: a.state.executing_count == 1, timeout=5)
+        await back.set()  # back-1 rejoins, and waits for other-1's thread
+        await other.set()
+        assert await y == await x == 1
+    assert all(v >= 0 for v in phase.delta.values()), phase.delta
+    assert phase["busy"] <= phase.elapsed
+    assert sum(phase.delta.values()) == pytest.approx(phase.elapsed, rel=0.01)
 
 
 @gen_cluster(client=True, nthreads=[("", 1)])
