@@ -1416,6 +1416,40 @@ async def test_memory_monitor_unpauses(c, s, a):
     await assert_spill_accounted(a)
 
 
+class SteppedWallClock:
+    """The wall clock of the worker, which an NTP daemon may step"""
+
+    def __init__(self) -> None:
+        self.offset = 0.0
+
+    def __call__(self) -> float:
+        return time.time() + self.offset
+
+
+STEPPED_WALL_CLOCK = SteppedWallClock()
+
+
+def step_the_wall_clock() -> int:
+    STEPPED_WALL_CLOCK.offset += 100.0
+    return 1
+
+
+@gen_cluster(client=True, nthreads=[("", 1)])
+async def test_wall_clock_stepped_during_a_task(c, s, a, monkeypatch):
+    """A task's phase in its thread is timed by a monotonic clock: a step of the
+    wall clock meanwhile does not add to its seconds
+    """
+    monkeypatch.setattr("distributed.worker.time", STEPPED_WALL_CLOCK)
+    assert await c.submit(step_the_wall_clock, key="step-1") == 1
+    seconds = {
+        label: v
+        for (label, unit), v in execute_digests(a, "step").items()
+        if unit == "seconds"
+    }
+    assert set(seconds) == {"deserialize", "thread-cpu", "thread-noncpu", "other"}
+    assert sum(seconds.values()) < 1, seconds
+
+
 def test_apply_function_simple_msg():
     """apply_function_simple returns the CPU time of its thread next to what it
     returned upstream, and needs no metering context
@@ -1430,19 +1464,22 @@ def test_apply_function_simple_msg():
         "start",
         "stop",
         "thread",
+        "elapsed",
         "cpu",
     }
     assert msg["op"] == "task-finished"
     assert msg["thread"] == threading.get_ident()
     # time_delay shifts start and stop, not the durations
     assert msg["start"] > time.time() + 900
-    assert 0.04 <= msg["cpu"] <= msg["stop"] - msg["start"] + 0.01
+    assert msg["elapsed"] == pytest.approx(msg["stop"] - msg["start"], abs=0.01)
+    assert 0.04 <= msg["cpu"] <= msg["elapsed"] + 0.01
 
     msg = apply_function_simple(raise_after_emitting, (), {}, 0)
     assert msg["op"] == "task-erred"
     assert isinstance(msg["actual-exception"], ValueError)
-    assert {"exception", "traceback", "start", "stop", "thread", "cpu"} <= set(msg)
-    assert 0 <= msg["cpu"] <= msg["stop"] - msg["start"] + 0.01
+    keys = {"exception", "traceback", "start", "stop", "thread", "elapsed", "cpu"}
+    assert keys <= set(msg)
+    assert 0 <= msg["cpu"] <= msg["elapsed"] + 0.01
 
 
 @gen_cluster(client=True, nthreads=[("", 1)])
