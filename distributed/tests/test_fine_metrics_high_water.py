@@ -537,7 +537,8 @@ async def test_concurrent_scrapes_publish_their_own_scheduler():
 @gen_cluster(client=True, nthreads=[("", 1)])
 async def test_a_reader_in_another_thread(c, s, a):
     """A reader of the registry in a thread of its own (``start_http_server`` of
-    prometheus_client, say) reads while the event loop digests new keys
+    prometheus_client, say) reads while the event loop digests new keys: here, the
+    loop digests one while the reader is in the middle of each store it reads
     """
     from distributed.http.scheduler.prometheus.core import (
         FineMetricsCollector as SchedulerCollector,
@@ -545,39 +546,45 @@ async def test_a_reader_in_another_thread(c, s, a):
     from distributed.http.worker.prometheus.core import WorkerMetricCollector
 
     a.periodic_callbacks["heartbeat"].stop()
-    errors: list[BaseException] = []
-    done = threading.Event()
-    passes = []  # The size of the scheduler's store after each pass of the reader
+    loop = asyncio.get_running_loop()
+    added = []
+    called = set()
+
+    def digest_a_new_key() -> None:
+        key = ("execute", f"p{len(added)}", "thread-cpu", "seconds")
+        a.digest_metric(key, 1.0)
+        s.cumulative_worker_metrics[key] = 1.0
+        added.append(key)
+
+    def meanwhile(func):
+        """``func``, which the collectors call for each key of the store that they
+        read, in the reader's thread: the loop digests a new key before it returns
+        """
+
+        def wrapper(*args):
+            called.add(func.__name__)
+            done = threading.Event()
+            loop.call_soon_threadsafe(lambda: (digest_a_new_key(), done.set()))
+            assert done.wait(5)
+            return func(*args)
+
+        return wrapper
 
     def read() -> None:
-        collectors = [WorkerMetricCollector(a), SchedulerCollector(s)]
-        while not done.is_set():
-            try:
-                for collector in collectors:
-                    for _ in collector.collect():
-                        pass
-                passes.append(len(s.cumulative_worker_metrics))
-            except BaseException as e:
-                errors.append(e)
-                return
+        for collector in (WorkerMetricCollector(a), SchedulerCollector(s)):
+            for _ in collector.collect():
+                pass
 
-    reader = threading.Thread(target=read)
-    reader.start()
-    try:
-        # New keys, until the reader has read them several times meanwhile
-        i = 0
-        while len(passes) < 2 and not errors and i < 1_000_000:
-            key = ("execute", f"p{i}", "thread-cpu", "seconds")
-            a.digest_metric(key, 1.0)
-            s.cumulative_worker_metrics[key] = 1.0
-            i += 1
-            if i % 100 == 0:
-                await asyncio.sleep(0)
-    finally:
-        done.set()
-        reader.join()
-    assert errors == []
-    assert len(passes) >= 2
+    import distributed.http.prometheus as common
+    import distributed.http.worker.prometheus.core as worker_core
+
+    with mock.patch.object(
+        worker_core, "is_fine_metric", meanwhile(worker_core.is_fine_metric)
+    ), mock.patch.object(common, "_label_text", meanwhile(common._label_text)):
+        await asyncio.to_thread(read)
+    # Both stores changed while they were read
+    assert called == {"is_fine_metric", "_label_text"}
+    assert added
 
 
 @gen_cluster(client=True, nthreads=[("", 1)])
