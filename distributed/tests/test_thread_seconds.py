@@ -233,6 +233,19 @@ class Phase:
         )
 
 
+#: Keywords of gen_cluster for workers that a test pauses, by making their memory
+#: monitor read a process memory beyond the pause threshold
+PAUSABLE: dict = {
+    "worker_kwargs": {"memory_limit": "10 GB"},
+    "config": {
+        "distributed.worker.memory.target": False,
+        "distributed.worker.memory.spill": False,
+        "distributed.worker.memory.pause": 0.8,
+        "distributed.worker.memory.monitor-interval": "10ms",
+    },
+}
+
+
 def sleep_task(seconds: float, key: object = None) -> float:
     time.sleep(seconds)
     return seconds
@@ -251,13 +264,7 @@ def seceding_task(before: float, away: float, after: float) -> int:
     client=True,
     nthreads=[("", 2, {"resources": {"R": 1}}), ("", 1)],
     Worker=BlockedGetData,
-    worker_kwargs={"memory_limit": "10 GB"},
-    config={
-        "distributed.worker.memory.target": False,
-        "distributed.worker.memory.spill": False,
-        "distributed.worker.memory.pause": 0.8,
-        "distributed.worker.memory.monitor-interval": "10ms",
-    },
+    **PAUSABLE,
 )
 async def test_partition_of_a_worker_with_two_threads(c, s, a, b):
     a.block_get_data.set()  # Only b is slow to answer
@@ -338,13 +345,7 @@ async def test_partition_of_a_worker_with_two_threads(c, s, a, b):
 @gen_cluster(
     client=True,
     nthreads=[("", 2)],
-    worker_kwargs={"memory_limit": "10 GB"},
-    config={
-        "distributed.worker.memory.target": False,
-        "distributed.worker.memory.spill": False,
-        "distributed.worker.memory.pause": 0.8,
-        "distributed.worker.memory.monitor-interval": "10ms",
-    },
+    **PAUSABLE,
 )
 async def test_paused_worker_that_starts_closing(c, s, a):
     """A paused worker that starts to retire (which may take long, replicating its
