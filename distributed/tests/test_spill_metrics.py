@@ -296,6 +296,43 @@ def test_pickle_error_no_disk_write(tmp_path):
     assert seconds_labels(buf.cumulative_metrics) == {"serialize"}
 
 
+def _fail_to_unpickle():
+    raise ValueError("cannot be unpickled")
+
+
+class FailsToUnpickle:
+    """Pickles, but fails to unpickle"""
+
+    def __reduce__(self):
+        return _fail_to_unpickle, ()
+
+
+def test_unpickle_error_still_a_disk_read(tmp_path):
+    """A key read from the disk that fails to deserialize was read:
+    cumulative_metrics counts the disk-read, while get_metrics(), as upstream,
+    counts only the reads that succeeded
+    """
+    buf = SpillBuffer(str(tmp_path), target=1)
+    buf["a"] = FailsToUnpickle()
+    assert set(buf.disk) == {"a"}
+    written = buf.cumulative_metrics["disk-write", "bytes"]
+    with pytest.raises(ValueError, match="cannot be unpickled"):
+        buf["a"]
+    assert non_seconds(buf.cumulative_metrics) == {
+        ("disk-write", "count"): 1,
+        ("disk-write", "bytes"): written,
+        ("disk-read", "count"): 1,
+        ("disk-read", "bytes"): written,
+    }
+    assert {"disk-read", "decompress", "deserialize"} <= seconds_labels(
+        buf.cumulative_metrics
+    )
+    upstream = buf.get_metrics()
+    assert upstream["disk_read_count_total"] == 0
+    assert upstream["disk_read_bytes_total"] == 0
+    assert upstream["disk_write_count_total"] == 1
+
+
 def test_max_spill_no_disk_write(tmp_path):
     buf = SpillBuffer(str(tmp_path), target=1, max_spill=1)
     # Note: the warning is rate-limited, so it may not be logged here
