@@ -19,7 +19,15 @@ import pytest
 
 import dask
 
-from distributed import Client, LocalCluster, Nanny, Scheduler, Worker, get_fine_metrics
+from distributed import (
+    Client,
+    LocalCluster,
+    Nanny,
+    Scheduler,
+    Worker,
+    WorkerPlugin,
+    get_fine_metrics,
+)
 from distributed.client import NoFineMetricsError
 from distributed.core import Status
 from distributed.metrics import (
@@ -385,6 +393,28 @@ async def test_retire_workers_delivers(c, s, a, b):
     await settle(b)
     await b.heartbeat()
     assert_equal_totals(s.cumulative_worker_metrics, worker_totals(a, b))
+
+
+class SlowTeardown(WorkerPlugin):
+    """Makes a closing worker take its time before its last delivery"""
+
+    async def teardown(self, worker):
+        await asyncio.sleep(0.5)
+
+
+@gen_cluster(client=True)
+async def test_flush_waits_for_the_last_delivery_of_a_retired_worker(c, s, a, b):
+    """get_fine_metrics(flush=True) right after retire_workers has what the retired
+    worker delivers as it closes, after the scheduler removed it
+    """
+    stop_heartbeats(a, b)
+    await workload(c, a, b)
+    await c.register_worker_plugin(SlowTeardown(), name="slow-teardown")
+    await c.retire_workers([a.address])
+    assert a.address not in s.workers
+    assert a.status != Status.closed
+    fm = await c.get_fine_metrics()
+    assert fm["execute", "posting", "my-count", "count"] == 1
 
 
 @gen_cluster(client=True, nthreads=[])
@@ -920,9 +950,14 @@ async def test_flush_tolerates_a_failing_worker(c, s, a, b):
         raise OSError("boom")
 
     a.handlers["fine_metrics_flush"] = broken
-    with captured_logger("distributed.core"):
+    with captured_logger("distributed.scheduler") as log:
         fm = await c.get_fine_metrics()
     assert_flushed_but(fm, b, a)
+    # One warning that names the worker, no error
+    [line] = log.getvalue().splitlines()
+    assert "Fine metrics: 1 worker(s) did not deliver within" in line
+    assert a.address in line
+    assert b.address not in line
 
 
 def assert_flushed_but(fm, flushed, failed) -> None:
@@ -951,8 +986,11 @@ async def test_flush_skips_a_worker_that_does_not_answer(c, s, a, b):
         await release.wait()
 
     a.handlers["fine_metrics_flush"] = hang
-    fm = await c.get_fine_metrics()
+    with captured_logger("distributed.scheduler") as log:
+        fm = await c.get_fine_metrics()
     assert_flushed_but(fm, b, a)
+    [line] = log.getvalue().splitlines()
+    assert "1 worker(s) did not deliver within 1.00 s: " + a.address in line
     release.set()
     a.handlers["fine_metrics_flush"] = a.flush_fine_metrics
     fm = await c.get_fine_metrics()

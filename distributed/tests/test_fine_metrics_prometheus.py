@@ -84,12 +84,25 @@ def inc(x: int) -> int:
     return x + 1
 
 
+def spill_all(dask_worker: Any) -> int:
+    """Spill every key of the worker to disk; how many"""
+    n = 0
+    while dask_worker.data.fast and dask_worker.data.evict() > 0:
+        n += 1
+    return n
+
+
 def run_workload(c: Client) -> None:
     """Compute some tasks, with a dependency between the two workers (gather-dep on
-    one, get-data on the other) and a task that posts metrics of its own
+    one, get-data on the other, which unspills it), a task that unspills its input
+    and a task that posts metrics of its own
     """
     a, b = sorted(c.scheduler_info()["workers"])
     source = c.submit(make_data, 100_000, key="source-0", workers=[a])
+    wait(source, timeout=60)
+    assert c.run(spill_all, workers=[a]) == {a: 1}
+    assert c.submit(len, source, key="size-0", workers=[a]).result() == 100_000
+    assert c.run(spill_all, workers=[a])[a] >= 1
     sink = c.submit(post_metrics, source, key="sink-0", workers=[b])
     incs = c.map(inc, range(10), key=[f"inc-{i}" for i in range(10)])
     wait([sink, *incs], timeout=60)
@@ -406,6 +419,8 @@ def test_prometheus_scrapes_fine_metrics(loop: Any, tmp_path: Path) -> None:
                     assert_metrics_equal(metrics, expected_workers[job])
 
             wait_for(check, timeout=40)
+            # rate() needs two scrapes of a series
+            wait_for(lambda: check_example_queries(url, worker_jobs), timeout=20)
             check_thread_seconds_rates(url, worker_jobs, nthreads)
 
             # Once the workers deliver nothing more, the scheduler's threads'
@@ -428,6 +443,41 @@ def test_prometheus_scrapes_fine_metrics(loop: Any, tmp_path: Path) -> None:
 
             # Nothing changed on the cluster meanwhile
             assert c.get_fine_metrics(flush=False) == final
+
+
+#: Example queries of docs/fine_metrics.rst
+TOP_DISK_PREFIXES = """
+topk(5, sum by (task_prefix_name) (rate(
+    dask_scheduler_fine_metrics_seconds_total{activity="execute",label=~"disk-.*"}[5m])))
+"""
+CACHE_HIT_RATIO = """
+dask_worker_spill_count_total{activity="memory-read"}
+  / ignoring(activity) (dask_worker_spill_count_total{activity="memory-read"}
+    + ignoring(activity) dask_worker_spill_count_total{activity="disk-read"})
+"""
+
+
+def check_example_queries(url: str, worker_jobs: Mapping[str, str]) -> None:
+    """The example queries of the docs give what they say, on the workload"""
+    # The task prefixes that spend most time on disk: the task that unspilled
+    # its input; not the unspilling of get-data, which has no prefix (without
+    # activity="execute", it would be a series without labels)
+    top = prometheus_query(url, TOP_DISK_PREFIXES)
+    assert [series["metric"] for series in top] == [{"task_prefix_name": "size"}]
+    # The cache hit ratio by keys, of each worker: the worker that spilled read
+    # its key from the disk once (size-0), and its keys from memory otherwise; the
+    # other only from memory
+    ratios = sorted(
+        (float(series["value"][1]), series["metric"]["job"])
+        for series in prometheus_query(url, CACHE_HIT_RATIO)
+        # The scheduler's endpoint also publishes the families of the workers
+        # that earlier tests ran in this process (one registry per process, as
+        # upstream): not those of this cluster's
+        if series["metric"]["job"] != "scheduler"
+    )
+    assert sorted(job for _, job in ratios) == sorted(worker_jobs)
+    assert 0 < ratios[0][0] < 1
+    assert [ratio for ratio, _ in ratios[1:]] == [1.0] * (len(ratios) - 1)
 
 
 def check_thread_seconds_rates(

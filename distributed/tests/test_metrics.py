@@ -8,6 +8,7 @@ import math
 import pickle
 import threading
 import time
+from decimal import Decimal
 from fractions import Fraction
 
 import pytest
@@ -1046,3 +1047,157 @@ def test_meter_logs_on_block_error_only(caplog):
             with context_meter.meter("x"):
                 pass
     assert not caplog.records
+
+
+@pytest.mark.parametrize("listening", [False, True])
+@pytest.mark.parametrize("unit", ["seconds", "bytes"])
+def test_context_meter_block_not_reentrant(listening, unit):
+    """A block can't be entered again while it is open, in whatever unit, and
+    whether or not somebody is listening
+    """
+    out = []
+    scope = (
+        context_meter.add_callback(lambda *args: out.append(args))
+        if listening
+        else contextlib.nullcontext()
+    )
+    clock = FakeClock(0)
+    block = context_meter.meter("x", unit=unit, func=clock)
+    with scope:
+        with block as m:
+            clock.t = 1
+            with pytest.raises(RuntimeError, match="not reentrant"):
+                with block:
+                    pass
+            clock.t = 2
+    assert m.delta == 2
+    assert out == ([("x", 2, unit)] if listening else [])
+    assert metrics._current_meter_var.get() is None
+
+
+def test_meter_not_reentrant():
+    clock = FakeClock(0)
+    block = metrics.meter(clock)
+    with block as m:
+        with pytest.raises(RuntimeError, match="not reentrant"):
+            with block:
+                pass
+        clock.t = 2
+    assert m.delta == 2
+    # Can be reused sequentially
+    with block as m2:
+        clock.t = 3
+    assert m2.delta == 1
+
+
+def test_context_meter_clock_raises_on_enter():
+    """A block whose clock raises when it is entered was never entered: the blocks
+    after it nest where they would have
+    """
+
+    class BadClock:
+        def __call__(self):
+            raise OSError("no clock")
+
+    out = []
+    clock = FakeClock(0)
+    with context_meter.add_callback(lambda *args: out.append(args)):
+        with context_meter.meter("outer", func=clock):
+            with pytest.raises(OSError, match="no clock"):
+                with context_meter.meter("inner", func=BadClock()):
+                    pass
+            with context_meter.meter("next", func=clock):
+                clock.t = 2
+    assert out == [("next", 2, "seconds"), ("outer", 0, "seconds")]
+    assert metrics._current_meter_var.get() is None
+
+
+@pytest.mark.parametrize(
+    "start,stop,exc",
+    [
+        (0.0, float("nan"), ValueError),
+        (0.0, float("inf"), ValueError),
+        (Decimal(0), Decimal(1), TypeError),
+    ],
+)
+@pytest.mark.parametrize("unit", ["seconds", "count"])
+def test_context_meter_clock_gives_bad_value(start, stop, exc, unit):
+    """A block whose clock gives something other than a finite real number raises
+    on exit, like digest_metric, and digests nothing; the blocks around it carry on
+    """
+    out = []
+    inner_clock = FakeClock(start)
+    clock = FakeClock(0)
+    with context_meter.add_callback(lambda *args: out.append(args)):
+        with context_meter.meter("outer", func=clock):
+            with pytest.raises(exc):
+                with context_meter.meter("inner", unit=unit, func=inner_clock):
+                    inner_clock.t = stop
+            clock.t = 1
+    assert out == [("outer", 1, "seconds")]
+    assert metrics._current_meter_var.get() is None
+
+
+def test_context_meter_clock_gives_bad_value_while_raising():
+    """... unless the block raises already: then its own exception goes on, and
+    the bad value is logged
+    """
+    out = []
+    clock = FakeClock(0.0)
+    with context_meter.add_callback(lambda *args: out.append(args)):
+        with captured_logger("distributed.metrics") as log:
+            with pytest.raises(ZeroDivisionError):
+                with context_meter.meter("x", func=clock):
+                    clock.t = float("nan")
+                    1 / 0
+    assert out == []
+    assert "Invalid value of metric 'x'" in log.getvalue()
+    assert metrics._current_meter_var.get() is None
+
+
+def test_context_meter_decorator_refuses_generators():
+    """A call of a generator function only creates the generator: decorating one
+    would meter nothing of its work
+    """
+
+    def gen():
+        yield 1
+
+    async def agen():
+        yield 1
+
+    for f in (gen, agen):
+        with pytest.raises(TypeError, match="generator function"):
+            context_meter.meter("x")(f)
+
+
+def sync_decorated_in_a_body():
+    @context_meter.meter("sync-work", func=FakeClock(1))
+    def work(x):
+        return x + 1
+
+    return work
+
+
+def async_decorated_in_a_body():
+    @context_meter.meter("async-work", func=FakeClock(1))
+    async def work(x):
+        return x + 1
+
+    return work
+
+
+@gen_test()
+async def test_context_meter_decorated_function_pickled_by_value():
+    """cloudpickle pickles by value a function decorated where it can't be imported
+    from (in __main__, in a notebook, in a function's body): the decorated function
+    pickles, and is still metered
+    """
+    cloudpickle = import_or_skip("cloudpickle")
+    sync_work = cloudpickle.loads(cloudpickle.dumps(sync_decorated_in_a_body()))
+    async_work = cloudpickle.loads(cloudpickle.dumps(async_decorated_in_a_body()))
+    out = []
+    with context_meter.add_callback(lambda *args: out.append(args)):
+        assert sync_work(1) == 2
+        assert await async_work(2) == 3
+    assert out == [("sync-work", 0, "seconds"), ("async-work", 0, "seconds")]

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 import dask
+from dask.local import SynchronousExecutor
 from dask.sizeof import sizeof
 
 from distributed import (
@@ -225,6 +226,65 @@ async def test_execute_task_waits_for_threads_at_once(c, s, a):
     assert m["my-sleep", "seconds"] >= 0.8
     assert m["thread-cpu", "seconds"] >= 0.15
     assert m["thread-noncpu", "seconds"] < 0.1
+
+
+def subtract(x, *, y):
+    return x - y
+
+
+def subtract_in_a_thread(x, *, y):
+    """Hand a function to a thread with keyword arguments"""
+    with ThreadPoolExecutor(1) as ex:
+        return ex.submit(context_meter.in_thread(subtract), x, y=y).result()
+
+
+@gen_cluster(client=True, nthreads=[("", 1)])
+async def test_execute_in_thread_with_keyword_arguments(c, s, a):
+    """What in_thread returns takes the function's arguments, keywords included,
+    in a task as outside one
+    """
+    assert subtract_in_a_thread(5, y=2) == 3
+    assert await c.submit(subtract_in_a_thread, 5, y=2, key="f-1") == 3
+
+
+def crunch_in_the_callers_thread():
+    """Hand a function to an executor that runs it in the task's own thread"""
+
+    def crunch():
+        with context_meter.meter("my-crunch"):
+            busy(0.2)
+
+    with SynchronousExecutor() as ex:
+        ex.submit(context_meter.in_thread(crunch)).result()
+
+
+@gen_cluster(client=True, nthreads=[("", 1)])
+async def test_execute_in_thread_run_in_the_callers_thread(c, s, a):
+    """A function handed to an executor that runs it in the caller's thread is
+    nested in the task's phase, CPU time included: its CPU time is not counted
+    twice
+    """
+    await c.submit(crunch_in_the_callers_thread, key="f-1")
+    m = execute_digests(a, "f")
+    assert m["my-crunch", "seconds"] >= 0.19
+    assert m["thread-cpu", "seconds"] < 0.1
+
+
+@gen_cluster(client=True, nthreads=[("", 1)])
+async def test_execute_function_decorated_in_a_body(c, s, a):
+    """A function decorated where it can't be imported from (in __main__, a
+    notebook, or a function's body, as here) is pickled by value, and runs metered
+    on the worker
+    """
+
+    @context_meter.meter("my-sleep")
+    def sleep_metered(x):
+        time.sleep(0.05)
+        return x + 1
+
+    assert await c.submit(sleep_metered, 1, key="f-1") == 2
+    m = execute_digests(a, "f")
+    assert m["my-sleep", "seconds"] >= 0.05
 
 
 seen_roots: list = []

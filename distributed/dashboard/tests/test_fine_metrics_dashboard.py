@@ -28,6 +28,7 @@ from distributed.tests.utils_ci import import_or_skip
 
 import_or_skip("bokeh")
 from bokeh.core.validation import check_integrity
+from bokeh.models import DatetimeTickFormatter, HoverTool
 from tornado.httpclient import AsyncHTTPClient
 
 from distributed import Event, Worker, performance_report, wait
@@ -1157,6 +1158,13 @@ async def test_threads_over_time(c, s, a, b):
     nthreads = sum(ws.nthreads for ws in s.workers.values())
     assert nthreads == 3
     fm = FineMetricsBreakdown(s)
+    # The time axis shows the clock's time at every span, also under a second,
+    # where bokeh's default shows milliseconds alone ("400ms")
+    assert fm.threads_over_time_plot is not None
+    formatter = fm.threads_over_time_plot.xaxis[0].formatter
+    assert isinstance(formatter, DatetimeTickFormatter)
+    for span in ("milliseconds", "seconds", "minsec", "minutes", "hourmin", "hours"):
+        assert getattr(formatter, span)[0].startswith("%H:%M"), span
     fm.update()
     # The first update reads where the totals start: no point yet
     assert points(fm) == []
@@ -1928,3 +1936,43 @@ def test_performance_report_sync(client, tmp_path):
         assert client.submit(inc, 1, key="inside-1").result() == 2
     report = report_breakdown(fn.read_text())
     assert set(report.sources["fine_metrics_execute_seconds"]["prefix"]) == {"inside"}
+
+
+def test_tooltips_say_when_a_label_has_no_metric_in_a_unit():
+    """The tooltips of the transfers and of spilling show a label's bytes and
+    count, or n/a where it has none, rather than a 0 that would say that nothing
+    was transferred or spilled
+    """
+    metrics = {
+        ("gather-dep", "network", "seconds"): 0.75,
+        ("gather-dep", "disk-write", "seconds"): 0.25,
+        ("gather-dep", "disk-write", "bytes"): 3 * 2**20,
+        ("gather-dep", "disk-write", "count"): 3,
+        ("gather-dep", "serialize", "seconds"): 0.125,
+        ("gather-dep", "retries", "count"): 2,
+    }
+    fm = FineMetricsBreakdown(None, metrics)
+    fm.update()
+    data = fm.gather_dep_source.data
+    rows = {
+        label: (b, c)
+        for label, b, c in zip(data["label"], data["bytes_text"], data["count_text"])
+    }
+    assert rows == {
+        "network": ("n/a", "n/a"),
+        "disk-write": ("3.00 MiB", "3"),
+        "serialize": ("n/a", "n/a"),
+        "retries": ("n/a", "2"),
+    }
+    spill = fm.spill_sources["seconds"].data
+    assert dict(zip(spill["label"], spill["count_text"])) == {
+        "disk-write": "3",
+        "serialize": "n/a",
+    }
+    for plot in (fm.gather_dep_plot, fm.get_data_plot):
+        [hover] = plot.select(HoverTool)
+        assert ("bytes", "@bytes_text") in hover.tooltips
+        assert ("count", "@count_text") in hover.tooltips
+    for plot in fm.spill_plots.values():
+        [hover] = plot.select(HoverTool)
+        assert ("keys", "@count_text") in hover.tooltips
