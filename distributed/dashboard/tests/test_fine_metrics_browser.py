@@ -37,6 +37,7 @@ from distributed.dashboard.tests.test_fine_metrics_dashboard import (
     all_sources,
     assert_breakdown,
     bars,
+    many_labels,
     post_as,
     record_report_metrics,
     segments,
@@ -384,6 +385,51 @@ def injected(driver: Any) -> list[str]:
         );
         """,
     )
+
+
+def legends_cut(driver: Any) -> list[str]:
+    """The plots whose legend goes beyond the bottom of their plot area, where
+    bokeh cuts it (bokeh 2.4's views: the legend's box and the plot's frame)
+    """
+    return run_bokeh_js(
+        driver,
+        """
+        const cut = [];
+        const walk = (view) => {
+          for (const child of view.child_views ?? []) walk(child);
+          for (const rv of view.renderer_views?.values() ?? []) {
+            if (rv.model.type !== "Legend") continue;
+            const box = rv.compute_legend_bbox();
+            if (box.y + box.height > view.frame.bbox.bottom)
+              cut.push(view.model.name);
+          }
+        };
+        for (const view of Object.values(Bokeh.index)) walk(view);
+        return cut;
+        """,
+    )
+
+
+@pytest.mark.slow
+def test_legend_shows_every_label(browser: Any, loop: Any) -> None:
+    """A task that posts 30 labels of its own: the execute plot grows, so that its
+    legend shows every one of them
+    """
+    with demo_cluster(loop=loop) as (cluster, client):
+        open_bokeh_page(browser, page_url(client))
+        client.submit(many_labels, 30, key="labels-1").result()
+        client.get_fine_metrics(flush=True)
+
+        def thirty_one_labels() -> bool:
+            source = bokeh_sources(browser)["fine_metrics_execute_seconds"]
+            # The task's own labels, and its thread-noncpu (or thread-cpu)
+            return len(set(source["label"])) >= 31
+
+        wait_until(browser, thirty_one_labels, what="the task's labels")
+        # The page's layout follows the plot's new height
+        wait_until(browser, lambda: legends_cut(browser) == [], what="the legends")
+        assert console_errors(browser) == []
+        save_screenshot(browser, "fine-metrics-page-many-labels")
 
 
 @pytest.mark.slow

@@ -1017,6 +1017,33 @@ def test_labels_that_are_not_str():
     assert_breakdown(fm, metrics)
 
 
+def many_labels(n: int) -> int:
+    for i in range(n):
+        context_meter.digest_metric(f"label-{i:02d}", 0.01, "seconds")
+    return n
+
+
+def test_execute_plot_grows_with_its_legend():
+    """bokeh cuts a legend at the bottom of its plot: an execute plot grows taller
+    when its labels need it, and shrinks back when they are gone
+    """
+    metrics: dict[tuple, float] = {
+        ("execute", "p", f"label-{i:02d}", "seconds"): 1.0 for i in range(30)
+    }
+    metrics[("execute", "p", "thread-cpu", "seconds")] = 1.0
+    metrics[("execute", "p", "rows", "count")] = 3
+    fm = FineMetricsBreakdown(None, metrics)
+    fm.update()
+    # 31 labels, of 20 pixels each, and the title and axis
+    assert fm.execute_plots["seconds"].height >= 31 * 20 + 60
+    assert fm.execute_plots["count"].height == fm.EXECUTE_HEIGHT
+    assert fm.execute_plots["bytes"].height == fm.EXECUTE_HEIGHT
+    for i in range(30):
+        del metrics[("execute", "p", f"label-{i:02d}", "seconds")]
+    fm.update()
+    assert fm.execute_plots["seconds"].height == fm.EXECUTE_HEIGHT
+
+
 def test_prefix_with_only_bytes():
     metrics = {
         ("execute", "download", "fetch", "bytes"): 2**20,
