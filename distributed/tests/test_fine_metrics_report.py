@@ -15,6 +15,8 @@ from distributed.compatibility import WINDOWS
 from distributed.diagnostics.fine_metrics import (
     cluster_fine_metrics,
     demo,
+    demo_cluster,
+    demo_workload,
     format_table,
     format_thread_seconds,
     is_fine_metric,
@@ -164,6 +166,23 @@ def assert_demo_table(metrics: dict) -> None:
         ("threads", "", "idle-no-tasks"),
     ]:
         assert expected in found, expected
+
+
+@pytest.mark.slow
+def test_demo_workload_releases_its_keys(loop):
+    """Once the demonstration workload returns, its futures are gone, and the
+    workers free its keys, spilled ones included, while they still run
+    """
+    with demo_cluster(loop=loop) as (_, client):
+        demo_workload(client)
+        # Released by the client's event loop, once the futures are gone
+        poll_for(lambda: not client.futures, timeout=10)
+        poll_for(
+            lambda: not any(
+                client.run(lambda dask_worker: len(dask_worker.data)).values()
+            ),
+            timeout=10,
+        )
 
 
 @pytest.mark.slow
