@@ -417,6 +417,44 @@ async def test_flush_waits_for_the_last_delivery_of_a_retired_worker(c, s, a, b)
     assert fm["execute", "posting", "my-count", "count"] == 1
 
 
+@gen_cluster(client=True, nthreads=[("", 1)])
+async def test_flush_waits_for_the_stream_of_a_worker_closing_itself(c, s, a):
+    """A worker that closes itself is still among the scheduler's workers when it
+    has sent its last delivery on its stream: a flush then waits for that stream,
+    and has the delivery, however slowly the stream carries it
+    """
+    stop_heartbeats(a)
+    await c.submit(posting, 1, key="posting-1")
+    a.digest_metric(("execute", "posting", "my-count", "count"), 99)
+    held = []
+    send = a.batched_send
+
+    def hold(msg):
+        if msg["op"] in ("worker-fine-metrics", "close-stream"):
+            held.append(msg)
+        else:
+            send(msg)
+
+    a.batched_send = hold  # type: ignore[method-assign]
+    close_stream = a.batched_stream.close
+
+    async def slow_close(timeout=None):
+        await asyncio.sleep(0.5)  # The stream is slower than the flush's reply
+        for msg in held:
+            send(msg)
+        return await close_stream(timeout)
+
+    a.batched_stream.close = slow_close  # type: ignore[method-assign]
+    closing = asyncio.create_task(a.close())
+    await async_poll_for(lambda: a._fine_metrics_sender.closed, timeout=5)
+    assert a.address in s.workers
+    with captured_logger("distributed.scheduler") as log:
+        fm = await c.get_fine_metrics()
+    assert fm["execute", "posting", "my-count", "count"] == 100
+    assert "did not deliver" not in log.getvalue()
+    await closing
+
+
 @gen_cluster(client=True, nthreads=[])
 async def test_last_delivery_after_another_worker_took_the_address(c, s):
     """A closing worker's last delivery may reach the scheduler, on its stream,
@@ -1020,6 +1058,61 @@ async def test_metrics_msgpack_cannot_carry(c, s, a):
     assert m["execute", "big", "None", "count"] == 1
     assert m["execute", "big", ("flag", "True"), "count"] == 1
     assert m["execute", "big", str(2**64), "count"] == 1
+
+
+def undecodable_names():
+    # A file name that is not UTF-8, as os.fsdecode gives it: with lone surrogates
+    context_meter.digest_metric(os.fsdecode(b"read-\xff.csv"), 1, "count")
+    context_meter.digest_metric("wait", 5, "ticks-" + os.fsdecode(b"\xfe"))
+
+
+@gen_cluster(client=True, nthreads=[("", 1)])
+async def test_names_that_utf8_cannot_encode(c, s, a):
+    """Labels and units with lone surrogates travel, and are published on both
+    /metrics endpoints, with them escaped: msgpack, JSON and Prometheus' text
+    format need UTF-8. The heartbeat goes on.
+    """
+    import_or_skip("prometheus_client")
+    stop_heartbeats(a)
+    await c.submit(undecodable_names, key="names-1")
+    await settle(a)
+    await a.heartbeat()
+    assert a.status == Status.running
+    m = s.cumulative_worker_metrics
+    assert m["execute", "names", "read-\\udcff.csv", "count"] == 1
+    assert m["execute", "names", "wait", "ticks-\\udcfe"] == 5
+    for server, family in [
+        (s, "dask_scheduler_fine_metrics_count"),
+        (a, "dask_worker_fine_metrics_count"),
+    ]:
+        families = parse_families(await fetch(server.http_server.port, "/metrics"))
+        labels = {x.labels["label"] for x in families[family].samples}
+        assert "read-\\udcff.csv" in labels
+        other = families[family.replace("_count", "_other_units")].samples
+        assert {x.labels["unit"] for x in other} == {"ticks-\\udcfe"}
+
+
+def deeply_nested_label():
+    label: object = "x"
+    for _ in range(sys.getrecursionlimit()):
+        label = (label,)
+    context_meter.digest_metric(label, 1, "count")
+    context_meter.digest_metric("shallow", 1, "count")
+
+
+@gen_cluster(client=True, nthreads=[("", 1)])
+async def test_label_nested_too_deeply_to_deliver(c, s, a):
+    """A label of tuples nested beyond the recursion limit can't be delivered: it
+    is left out, with a warning, and the rest is delivered
+    """
+    stop_heartbeats(a)
+    await c.submit(deeply_nested_label, key="deep-1")
+    await settle(a)
+    with captured_logger("distributed.metrics") as log:
+        await a.heartbeat()
+    assert "nested too deeply to deliver" in log.getvalue()
+    assert a.status == Status.running
+    assert s.cumulative_worker_metrics["execute", "deep", "shallow", "count"] == 1
 
 
 def numpy_metrics():

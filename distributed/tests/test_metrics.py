@@ -3,11 +3,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import gc
 import logging
 import math
 import pickle
 import threading
 import time
+import weakref
 from decimal import Decimal
 from fractions import Fraction
 
@@ -1153,6 +1155,134 @@ def test_context_meter_clock_gives_bad_value_while_raising():
     assert out == []
     assert "Invalid value of metric 'x'" in log.getvalue()
     assert metrics._current_meter_var.get() is None
+
+
+class FailingClock(FakeClock):
+    """A FakeClock that raises while ``fail`` is set"""
+
+    fail = False
+
+    def __call__(self):
+        if self.fail:
+            raise OSError("no clock")
+        return super().__call__()
+
+
+@pytest.mark.parametrize("unit", ["seconds", "count"])
+def test_context_meter_clock_raises_on_exit(unit):
+    """A block whose clock raises when it exits is left, and digests nothing; what
+    was digested inside it goes to the block around it, as bare seconds; the block
+    can be entered again
+    """
+    out = []
+    inner_clock = FailingClock(0)
+    clock = FakeClock(0)
+    block = context_meter.meter("inner", unit=unit, func=inner_clock)
+    with context_meter.add_callback(lambda *args: out.append(args)):
+        with context_meter.meter("outer", func=clock):
+            with pytest.raises(OSError, match="no clock"):
+                with block:
+                    context_meter.digest_metric("nested", 3, "seconds")
+                    inner_clock.fail = True
+            assert metrics._current_meter_var.get().label == "outer"
+            inner_clock.fail = False
+            with block:
+                inner_clock.t = 1
+            clock.t = 10
+    assert out == [
+        ("nested", 3, "seconds"),
+        ("inner", 1, unit),
+        # 10 s, less 3 nested, less the inner block's second if in seconds
+        ("outer", 6 if unit == "seconds" else 7, "seconds"),
+    ]
+    assert metrics._current_meter_var.get() is None
+
+
+def test_meter_clock_raises_on_exit():
+    """meter() too: a block whose clock raises on exit is closed, and can be
+    entered again
+    """
+    clock = FailingClock(0)
+    block = metrics.meter(clock)
+    with pytest.raises(OSError):
+        with block:
+            clock.fail = True
+    clock.fail = False
+    with block as m:
+        clock.t = 2
+    assert m.delta == 2
+
+
+def test_context_meter_bad_value_passes_on_what_is_inside():
+    """A block whose clock gives a bad value still passes on the seconds digested
+    inside it: the block around it does not count them again
+    """
+    out = []
+    inner_clock = FakeClock(0.0)
+    clock = FakeClock(0.0)
+    with context_meter.add_callback(lambda *args: out.append(args)):
+        with context_meter.meter("outer", func=clock):
+            with pytest.raises(ValueError):
+                with context_meter.meter("inner", func=inner_clock):
+                    context_meter.digest_metric("nested", 0.5, "seconds")
+                    inner_clock.t = float("nan")
+            clock.t = 1.0
+    assert out == [("nested", 0.5, "seconds"), ("outer", 0.5, "seconds")]
+
+
+@pytest.mark.parametrize("where", ["entry", "exit"])
+def test_context_meter_nan_clock_and_reentry(where):
+    """A clock that gives nan, on entry or on exit, does not confuse whether the
+    block is open: it can't be entered while open, and can be after
+    """
+    clock = FakeClock(float("nan") if where == "entry" else 0.0)
+    block = context_meter.meter("x", func=clock)
+    with context_meter.add_callback(lambda *args: None):
+        with pytest.raises(ValueError, match="finite"):
+            with block:
+                with pytest.raises(RuntimeError, match="not reentrant"):
+                    with block:
+                        pass
+                clock.t = float("nan")
+        assert metrics._current_meter_var.get() is None
+        clock.t = 0.0
+        with block as m:
+            clock.t = 1.0
+    assert m.delta == 1.0
+    assert metrics._current_meter_var.get() is None
+
+
+def test_context_meter_block_releases_its_root():
+    """A block kept after it ended (to read its delta, e.g.) does not keep the
+    root it ran under, which in a worker holds the instruction's recorder
+    """
+    root = Root()
+    block = context_meter.meter("x")
+
+    def work():
+        with block:
+            pass
+
+    context_meter.new_context(lambda *args: None, root=root).run(work)
+    ref = weakref.ref(root)
+    del root
+    gc.collect()
+    assert ref() is None
+    assert block.delta >= 0
+
+
+def test_thread_root_keywords_named_like_its_parameters():
+    """A function run under a ThreadRoot takes any keyword, ``func`` and ``self``
+    included, as it does without one
+    """
+
+    def f(*, func=None, self=None):
+        return func, self
+
+    ctx = context_meter.new_context(lambda *args: None, root=Root())
+    root = ctx.run(context_meter.in_thread, f)
+    assert isinstance(root, metrics.ThreadRoot)
+    assert root(func=1, self=2) == (1, 2)
 
 
 def test_context_meter_decorator_refuses_generators():

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import math
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -11,7 +12,7 @@ import pytest
 from distributed import metrics
 from distributed.metrics import MeterRoot, ThreadRoot, context_meter
 from distributed.utils import offload, run_in_executor_with_context
-from distributed.utils_test import gen_test
+from distributed.utils_test import captured_logger, gen_test
 
 var: contextvars.ContextVar[str] = contextvars.ContextVar("var", default="default")
 
@@ -417,6 +418,38 @@ def test_thread_root_secession():
     )
 
 
+def test_secession_with_a_clock_that_gives_nan():
+    """A block open where its function leaves its pool, and whose clock gives nan
+    then: that piece of the block can't be measured. It is logged, and no value that
+    is not a finite number reaches the callbacks or the root.
+    """
+    out = []
+    now = [0.0]
+
+    def func():
+        with context_meter.meter("x", func=lambda: now[0]):
+            now[0] = float("nan")
+            metrics.current_root().secede()
+            now[0] = 1.0
+            metrics.current_root().rejoin()
+            now[0] = 3.0
+
+    class Caller(MeterRoot):
+        def is_current(self):
+            return True
+
+    # Run in the caller's thread, under a ThreadRoot, as an inline executor would
+    caller = Caller()
+    ctx = context_meter.new_context(lambda *args: out.append(args), root=caller)
+    root = ctx.run(context_meter.in_thread, func)
+    with captured_logger("distributed.metrics") as log:
+        root()
+    assert "Invalid value of metric 'x' where its thread left" in log.getvalue()
+    assert out == [("x", 2.0, "seconds")]
+    assert math.isfinite(root.nested)
+    assert dict(root.phase(5.0, 0.0))["seceded"] >= 0
+
+
 @pytest.mark.skipif(
     not hasattr(time, "pthread_getcpuclockid"), reason="no per-thread CPU clocks"
 )
@@ -429,7 +462,12 @@ def test_thread_cpu_time():
     t.start()
     t.join()
     [clock] = clocks
-    assert metrics.thread_cpu_time(clock) is None
+    # join() returns when the thread's Python code is done, which may be a moment
+    # before the system's thread is
+    deadline = time.monotonic() + 5
+    while metrics.thread_cpu_time(clock) is not None:
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
     own = metrics.thread_cpu_clock()
     assert metrics.thread_cpu_time(own) == pytest.approx(time.thread_time(), abs=0.01)
 
