@@ -1092,19 +1092,26 @@ async def test_names_that_utf8_cannot_encode(c, s, a):
         assert {x.labels["unit"] for x in other} == {"ticks-\\udcfe"}
 
 
-def deeply_nested_label():
-    label: object = "x"
+def deeply_nested(label: object = "x") -> object:
+    """A label of tuples nested as deeply as the recursion limit"""
     for _ in range(sys.getrecursionlimit()):
         label = (label,)
-    context_meter.digest_metric(label, 1, "count")
+    return label
+
+
+def deeply_nested_label():
+    context_meter.digest_metric(deeply_nested(), 1, "count")
     context_meter.digest_metric("shallow", 1, "count")
 
 
 @gen_cluster(client=True, nthreads=[("", 1)])
-async def test_label_nested_too_deeply_to_deliver(c, s, a):
-    """A label of tuples nested beyond the recursion limit can't be delivered: it
-    is left out, with a warning, and the rest is delivered
+async def test_label_nested_too_deeply(c, s, a):
+    """A label of tuples nested too deeply for Python's recursion can't be
+    delivered, nor written out: it is left out of the deliveries, with a warning,
+    and of the worker's /metrics, and the rest goes on. The scheduler rejects one
+    that it receives.
     """
+    import_or_skip("prometheus_client")
     stop_heartbeats(a)
     await c.submit(deeply_nested_label, key="deep-1")
     await settle(a)
@@ -1113,6 +1120,31 @@ async def test_label_nested_too_deeply_to_deliver(c, s, a):
     assert "nested too deeply to deliver" in log.getvalue()
     assert a.status == Status.running
     assert s.cumulative_worker_metrics["execute", "deep", "shallow", "count"] == 1
+    families = parse_families(await fetch(a.http_server.port, "/metrics"))
+    samples = families["dask_worker_fine_metrics_count"].samples
+    assert "shallow" in {x.labels["label"] for x in samples}
+
+    key = ("execute", "deep", deeply_nested(), "count")
+    delivery = {"seq": 100, "base": 0, "metrics": [[key, 1]]}
+    with captured_logger("distributed.scheduler") as log:
+        resp = s.heartbeat_worker(
+            address=a.address, metrics=await a.get_metrics(), fine_metrics=delivery
+        )
+    assert resp["status"] == "OK"
+    assert "dropped 1 entries" in log.getvalue()
+
+
+@gen_cluster(client=True)
+async def test_flush_while_a_worker_leaves(c, s, a, b):
+    """A worker that leaves after a flush asked the workers, but before it asked
+    this one, is skipped without harm
+    """
+    flush = asyncio.ensure_future(s._flush_fine_metrics())
+    # The flush asks the workers, in tasks that start at the loop's next turn...
+    await asyncio.sleep(0)
+    # ... after the worker has left (remove_worker forgets it at once)
+    await s.remove_worker(a.address, stimulus_id="test")
+    await flush
 
 
 def numpy_metrics():

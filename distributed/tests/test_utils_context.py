@@ -418,36 +418,57 @@ def test_thread_root_secession():
     )
 
 
-def test_secession_with_a_clock_that_gives_nan():
-    """A block open where its function leaves its pool, and whose clock gives nan
-    then: that piece of the block can't be measured. It is logged, and no value that
-    is not a finite number reaches the callbacks or the root.
+@pytest.mark.parametrize(
+    "bad_at,expect",
+    [
+        # The piece before leaving can't be measured; the one after rejoining can
+        ("secede", [("x", 2.0, "seconds")]),
+        # The piece before leaving is the block's; after it, the block can't be
+        # measured: its time is the thread's, not the block's too, and the block
+        # ends with 0, as one that ends out of the pool
+        ("rejoin", [("x", 1.0, "seconds"), ("x", 0.0, "seconds")]),
+    ],
+)
+@pytest.mark.parametrize("bad", ["nan", "raise"])
+def test_secession_with_a_bad_clock(bad_at, expect, bad):
+    """A block open where its function leaves its pool or comes back, and whose
+    clock gives nan or raises then: that piece of the block can't be measured. It
+    is logged, secede() and rejoin() go on, no value that is not a finite number
+    reaches the callbacks or the root, and no second is the block's and the
+    thread's both.
     """
     out = []
     now = [0.0]
 
+    def clock():
+        if now[0] == "raise":
+            raise OSError("no clock")
+        return now[0]
+
+    def at(t, where):
+        now[0] = (float("nan") if bad == "nan" else "raise") if where == bad_at else t
+
     def func():
-        with context_meter.meter("x", func=lambda: now[0]):
-            now[0] = float("nan")
+        with context_meter.meter("x", func=clock):
+            at(1.0, "secede")
             metrics.current_root().secede()
-            now[0] = 1.0
+            at(1.5, "rejoin")
             metrics.current_root().rejoin()
-            now[0] = 3.0
+            now[0] = 3.5
 
     class Caller(MeterRoot):
         def is_current(self):
             return True
 
     # Run in the caller's thread, under a ThreadRoot, as an inline executor would
-    caller = Caller()
-    ctx = context_meter.new_context(lambda *args: out.append(args), root=caller)
+    ctx = context_meter.new_context(lambda *args: out.append(args), root=Caller())
     root = ctx.run(context_meter.in_thread, func)
     with captured_logger("distributed.metrics") as log:
         root()
     assert "Invalid value of metric 'x' where its thread left" in log.getvalue()
-    assert out == [("x", 2.0, "seconds")]
+    assert out == expect
     assert math.isfinite(root.nested)
-    assert dict(root.phase(5.0, 0.0))["seceded"] >= 0
+    assert root.nested == sum(v for _, v, _ in out)
 
 
 @pytest.mark.skipif(
