@@ -456,6 +456,40 @@ async def test_flush_waits_for_the_stream_of_a_worker_closing_itself(c, s, a):
 
 
 @gen_cluster(client=True, nthreads=[])
+async def test_late_delivery_after_another_worker_took_the_address(c, s):
+    """A flush's or heartbeat's delivery that reaches the scheduler after another
+    worker started at the same address names the worker that sent it: it is
+    applied as that worker's, once, and the new worker's own deliveries go on
+    """
+    key = ("execute", "posting", "my-count", "count")
+    port = open_port()
+    async with Worker(s.address, port=port, nthreads=1) as a:
+        stop_heartbeats(a)
+        for _ in range(5):
+            a.digest_metric(key, 1)
+            await a.flush_fine_metrics()
+        a.digest_metric(key, 10)
+        # A flush's delivery, still in flight when a closes
+        late = a._fine_metrics_delivery()
+        assert late is not None
+        assert late["server_id"] == a.id
+    await async_poll_for(lambda: not s.workers, timeout=5)
+    # a's last delivery, on its stream, had the 10 too
+    assert s.cumulative_worker_metrics[key] == 15
+    async with Worker(s.address, port=port, nthreads=1) as b:
+        stop_heartbeats(b)
+        s.handle_worker_fine_metrics(worker=a.address, delivery=late)
+        for _ in range(3):
+            b.digest_metric(key, 100)
+            await b.flush_fine_metrics()
+        assert s.cumulative_worker_metrics[key] == 315
+        assert (
+            s.fine_metrics_by_worker()[b.address][("execute", "my-count", "count")]
+            == 300
+        )
+
+
+@gen_cluster(client=True, nthreads=[])
 async def test_last_delivery_after_another_worker_took_the_address(c, s):
     """A closing worker's last delivery may reach the scheduler, on its stream,
     after another worker started at its address (a nanny restarting it on a fixed
