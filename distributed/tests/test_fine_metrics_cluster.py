@@ -1069,6 +1069,18 @@ async def test_flush_skips_a_worker_that_does_not_answer(c, s, a, b):
     assert fm["execute", "posting", "my-count", "count"] == 1
 
 
+async def deliver_task_metrics(c, s, a, func, key: str) -> Mapping:
+    """Run ``func`` as task ``key`` on worker ``a``, deliver what it posted with a
+    heartbeat, and return the scheduler's store; ``a`` must keep running
+    """
+    stop_heartbeats(a)
+    await c.submit(func, key=key)
+    await settle(a)
+    await a.heartbeat()
+    assert a.status == Status.running
+    return s.cumulative_worker_metrics
+
+
 def big_int():
     context_meter.digest_metric("rows", 2**70, "count")
     context_meter.digest_metric(None, 1, "count")
@@ -1082,12 +1094,7 @@ async def test_metrics_msgpack_cannot_carry(c, s, a):
     and labels that the scheduler would reject (None, bool) as their str(); the
     heartbeat goes on
     """
-    stop_heartbeats(a)
-    await c.submit(big_int, key="big-1")
-    await settle(a)
-    await a.heartbeat()
-    assert a.status == Status.running
-    m = s.cumulative_worker_metrics
+    m = await deliver_task_metrics(c, s, a, big_int, "big-1")
     assert m["execute", "big", "rows", "count"] == float(2**70)
     assert m["execute", "big", "None", "count"] == 1
     assert m["execute", "big", ("flag", "True"), "count"] == 1
@@ -1107,12 +1114,7 @@ async def test_names_that_utf8_cannot_encode(c, s, a):
     format need UTF-8. The heartbeat goes on.
     """
     import_or_skip("prometheus_client")
-    stop_heartbeats(a)
-    await c.submit(undecodable_names, key="names-1")
-    await settle(a)
-    await a.heartbeat()
-    assert a.status == Status.running
-    m = s.cumulative_worker_metrics
+    m = await deliver_task_metrics(c, s, a, undecodable_names, "names-1")
     assert m["execute", "names", "read-\\udcff.csv", "count"] == 1
     assert m["execute", "names", "wait", "ticks-\\udcfe"] == 5
     for server, family in [
