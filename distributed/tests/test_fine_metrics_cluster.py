@@ -1321,6 +1321,32 @@ async def test_value_beyond_float_range(c, s, a):
     assert 'label="rows"' not in body
 
 
+def overflowing_seconds():
+    context_meter.digest_metric("huge", 1e308, "seconds")
+    context_meter.digest_metric("huge", 1e308, "seconds")
+    context_meter.digest_metric("ok", 1, "count")
+
+
+@gen_cluster(client=True, nthreads=[("", 1)])
+async def test_float_sum_that_overflows(c, s, a):
+    """A worker's total of floats that overflowed to inf is left out of the
+    deliveries, with a warning on the worker's side, rather than rejected by the
+    scheduler as if it were not a fine metric; the rest goes on
+    """
+    stop_heartbeats(a)
+    await c.submit(overflowing_seconds, key="overflow-1")
+    await settle(a)
+    assert a.digests_total["execute", "overflow", "huge", "seconds"] == math.inf
+    with captured_logger("distributed.metrics") as worker_log:
+        with captured_logger("distributed.scheduler") as scheduler_log:
+            await a.heartbeat()
+    assert "beyond the range of a float" in worker_log.getvalue()
+    assert not scheduler_log.getvalue()
+    m = s.cumulative_worker_metrics
+    assert m["execute", "overflow", "ok", "count"] == 1
+    assert ("execute", "overflow", "huge", "seconds") not in m
+
+
 @gen_cluster(client=True, nthreads=[("", 1)])
 async def test_warnings_forgotten_with_the_worker(c, s, a):
     """The scheduler forgets which workers it warned about bad deliveries once they
