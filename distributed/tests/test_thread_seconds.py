@@ -226,10 +226,12 @@ class Phase:
         # No state goes down, and no more threads are busy than the worker has
         assert all(v >= 0 for v in self.delta.values()), self.delta
         assert self["busy"] <= nthreads * self.elapsed
-        # Exactly, but for the microseconds between the clock reads of a task's
-        # split at secede() and rejoin() and those of the account's
+        # Exactly, but for the time between the clock reads of a task's split at
+        # secede() and rejoin() and those of the account's: microseconds, which a
+        # thread holding the GIL meanwhile stretches to milliseconds (a switch
+        # interval is 5 ms) on a loaded machine
         assert self["busy"] == pytest.approx(
-            self.execute - metered_away, rel=1e-9, abs=1e-4
+            self.execute - metered_away, rel=1e-9, abs=0.01
         )
 
 
