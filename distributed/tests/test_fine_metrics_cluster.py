@@ -515,7 +515,7 @@ async def test_last_delivery_after_another_worker_took_the_address(c, s):
         a.batched_send = hold_fine_metrics  # type: ignore[method-assign]
     await async_poll_for(lambda: not s.workers, timeout=5)
     [msg] = held
-    assert msg["server_id"] == a.id
+    assert msg["delivery"]["server_id"] == a.id
     assert msg["delivery"]["seq"] > 3
 
     async with Worker(s.address, port=port, nthreads=1) as b:
@@ -524,9 +524,7 @@ async def test_last_delivery_after_another_worker_took_the_address(c, s):
         await c.submit(posting, 10, key="posting-10")
         await b.heartbeat()
         # a's last delivery arrives now
-        s.handle_worker_fine_metrics_stream(
-            worker=a.address, delivery=msg["delivery"], server_id=msg["server_id"]
-        )
+        s.handle_worker_fine_metrics_stream(worker=a.address, delivery=msg["delivery"])
         await c.submit(posting, 11, key="posting-11")
         await settle(b)
         await b.heartbeat()
