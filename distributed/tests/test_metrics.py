@@ -1331,3 +1331,46 @@ async def test_context_meter_decorated_function_pickled_by_value():
         assert sync_work(1) == 2
         assert await async_work(2) == 3
     assert out == [("sync-work", 0, "seconds"), ("async-work", 0, "seconds")]
+
+
+def test_a_block_is_whole_when_another_thread_can_see_it(monkeypatch):
+    """Another thread may read the blocks open in a context at any instant
+    (``open_block_since``, for what a running task spent so far): a block is whole
+    when it is published in the context, and the reader finds the blocks around it
+    also before the block has its token
+    """
+    var = metrics._current_meter_var
+    seen = []
+
+    class Spy:
+        # Reads the context as another thread would, the instant a block is
+        # published, before ContextVar.set returns its token
+        def get(self, *args):
+            return var.get(*args)
+
+        def set(self, value):
+            token = var.set(value)
+            monkeypatch.setattr(metrics, "_current_meter_var", var)
+            try:
+                seen.append(metrics.open_block_since(contextvars.copy_context()))
+            finally:
+                monkeypatch.setattr(metrics, "_current_meter_var", self)
+            return token
+
+        def reset(self, token):
+            var.reset(token)
+
+    with context_meter.add_callback(lambda label, value, unit: None):
+        monkeypatch.setattr(metrics, "_current_meter_var", Spy())
+        with context_meter.meter("outer"):
+            time.sleep(0.05)
+            with context_meter.meter("inner"):
+                pass
+        monkeypatch.setattr(metrics, "_current_meter_var", var)
+    assert var.get() is None
+    assert len(seen) == 2
+    # At the inner block's start, the time so far ends where the outer one started
+    ago, cpu, held = seen[1]
+    assert ago >= 0.05
+    assert cpu is None
+    assert held == 0

@@ -19,7 +19,13 @@ from distributed import rejoin, secede, worker_client
 from distributed.core import Status
 from distributed.metrics import ThreadSecondsAccount, context_meter, is_fine_metric
 from distributed.tests.test_worker_metrics import CustomExecutor
-from distributed.utils_test import BlockedGetData, async_poll_for, gen_cluster, inc
+from distributed.utils_test import (
+    BlockedGetData,
+    async_poll_for,
+    captured_logger,
+    gen_cluster,
+    inc,
+)
 from distributed.worker_state_machine import InstructionMetricsRecorder
 
 
@@ -813,8 +819,8 @@ def without_interim(posted: dict, rest: list) -> dict:
     out: dict = {}
     for label, value, unit in rest:
         out[label, unit] = out.get((label, unit), 0) + value
-    for label, value in posted.items():
-        out[label, "seconds"] = out.get((label, "seconds"), 0) + value
+    for key, value in posted.items():
+        out[key] = out.get(key, 0) + value
     return out
 
 
@@ -898,7 +904,7 @@ async def test_interim_posts_leave_an_open_block_out(c, s, a, monkeypatch):
     assert await x == 1
     [(posted, rest)] = calls
     assert posted
-    assert posted.get("thread-noncpu", 0) < 0.05
+    assert posted.get(("thread-noncpu", "seconds"), 0) < 0.05
     # (but for the microseconds between the ThreadRoot's and apply_function's reads
     # of the clocks when the task started)
     assert all(value >= -1e-4 for _, value, _ in rest), rest
@@ -923,7 +929,7 @@ async def test_interim_posts_of_a_block_around_secede(c, s, a, monkeypatch):
     await deliver_until_done(x, a)
     assert await x == 1
     [(posted, rest)] = calls
-    assert posted.get("thread-noncpu", 0) < 0.05
+    assert posted.get(("thread-noncpu", "seconds"), 0) < 0.05
     assert all(value >= -1e-4 for _, value, _ in rest), rest
     assert_all_seconds_once(a, "block_around_secede")
 
@@ -1018,7 +1024,7 @@ async def test_delivery_while_a_block_ends(c, s, a, monkeypatch):
         GO_ON.set()
     assert await x == 1
     [(posted, rest)] = calls
-    assert posted.get("thread-noncpu", 0) < 0.05, posted
+    assert posted.get(("thread-noncpu", "seconds"), 0) < 0.05, posted
     assert all(value >= -1e-4 for _, value, _ in rest), rest
     assert_all_seconds_once(a, "block_then_return")
 
@@ -1060,9 +1066,114 @@ async def test_delivery_while_a_block_ends_between_its_reads(c, s, a, monkeypatc
         GO_ON.set()
     assert await x == 1
     [(posted, rest)] = calls
-    assert posted.get("thread-noncpu", 0) < 0.1, posted
+    assert posted.get(("thread-noncpu", "seconds"), 0) < 0.1, posted
     assert all(value >= -1e-4 for _, value, _ in rest), rest
     assert_all_seconds_once(a, "block_then_wait")
+
+
+#: Set by downloads() once its blocks have ended
+BLOCKS_DONE = threading.Event()
+
+
+def downloads(n: int, seconds: float) -> int:
+    for _ in range(n):
+        with context_meter.meter("download"):
+            time.sleep(seconds)
+    BLOCKS_DONE.set()
+    GO_ON.wait(5)
+    return 1
+
+
+@gen_cluster(client=True, nthreads=[("", 1)])
+async def test_interim_posts_the_blocks_that_ended(c, s, a, monkeypatch):
+    """A delivery posts the meter blocks of a running task that have ended, not
+    only its phase so far: a task that spends its time in metered I/O grows at
+    each delivery, rather than all at once when it ends
+    """
+    BLOCKS_DONE.clear()
+    GO_ON.clear()
+    calls = record_finalized(monkeypatch)
+    key = ("execute", "downloads", "download", "seconds")
+    x = c.submit(downloads, 4, 0.1, key="downloads-1")
+    try:
+        assert await asyncio.to_thread(BLOCKS_DONE.wait, 5)
+        await c.get_fine_metrics(flush=True)
+        assert s.cumulative_worker_metrics[key] == pytest.approx(0.4, rel=0.2)
+        assert not x.done()
+    finally:
+        GO_ON.set()
+    assert await x == 1
+    [(posted, rest)] = calls
+    assert posted["download", "seconds"] == pytest.approx(0.4, rel=0.2)
+    expect = without_interim(posted, rest)
+    assert expect["download", "seconds"] == posted["download", "seconds"]
+    assert_all_seconds_once(a, "downloads")
+    await c.get_fine_metrics(flush=True)
+    for (label, unit), value in expect.items():
+        k = ("execute", "downloads", label, unit)
+        assert a.digests_total[k] == pytest.approx(value, rel=1e-9, abs=1e-12)
+        assert s.cumulative_worker_metrics[k] == pytest.approx(
+            value, rel=1e-9, abs=1e-12
+        )
+
+
+class LoopUnfriendlyClock:
+    """A clock that only the thread that made it can read"""
+
+    def __init__(self):
+        self.thread = threading.get_ident()
+
+    def __call__(self) -> float:
+        if threading.get_ident() != self.thread:
+            raise RuntimeError("not from this thread")
+        return time.perf_counter()
+
+
+def block_with_own_clock(seconds: float) -> int:
+    with context_meter.meter("device", func=LoopUnfriendlyClock()):
+        BLOCKS_DONE.set()
+        GO_ON.wait(seconds)
+    return 1
+
+
+@gen_cluster(client=True, nthreads=[("", 2)])
+async def test_delivery_with_a_clock_that_fails_on_the_loop(c, s, a, monkeypatch):
+    """A meter block's clock that can't be read from the event loop leaves that
+    task's phase to be posted when it ends, once with a warning; every other
+    metric is delivered meanwhile
+    """
+    BLOCKS_DONE.clear()
+    GO_ON.clear()
+    record_finalized(monkeypatch)
+    x = c.submit(block_with_own_clock, 5, key="block_with_own_clock-1")
+    try:
+        assert await asyncio.to_thread(BLOCKS_DONE.wait, 5)
+        assert await c.submit(inc, 1, key="inc-1") == 2
+        with captured_logger("distributed.worker.state_machine") as log:
+            for _ in range(3):
+                await c.get_fine_metrics(flush=True)
+        assert log.getvalue().count("Could not read what a running task") == 1
+        store = s.cumulative_worker_metrics
+        assert store["execute", "inc", "thread-cpu", "seconds"] > 0
+        assert any(k[0] == "threads" for k in store)
+        assert not x.done()
+    finally:
+        GO_ON.set()
+    assert await x == 1
+    # Nothing counted twice or lost: the seconds of the task (finalized after inc)
+    # add up to its instruction's
+    seconds = sum(
+        v
+        for k, v in a.digests_total.items()
+        if k[:2] == ("execute", "block_with_own_clock") and k[3] == "seconds"
+    )
+    assert seconds == pytest.approx(elapsed[-1], rel=1e-9, abs=1e-9)
+    await c.get_fine_metrics(flush=True)
+    assert s.cumulative_worker_metrics[
+        "execute", "block_with_own_clock", "device", "seconds"
+    ] == pytest.approx(
+        a.digests_total["execute", "block_with_own_clock", "device", "seconds"]
+    )
 
 
 def fail_late(seconds: float) -> None:
@@ -1081,13 +1192,13 @@ async def test_failed_task_takes_back_its_interim_posts(c, s, a, monkeypatch):
     with pytest.raises(ValueError, match="late"):
         await x
     [(posted, rest)] = calls
-    assert posted.get("thread-noncpu", 0) > 0.1
+    assert posted.get(("thread-noncpu", "seconds"), 0) > 0.1
     assert_all_seconds_once(a, "fail_late")
     await c.get_fine_metrics(flush=True)
     for store in (a.digests_total, s.cumulative_worker_metrics):
-        assert store["execute", "fail_late", "thread-noncpu", "seconds"] == (
-            pytest.approx(0, abs=1e-9)
-        )
+        # Exactly: the posts are taken back in the order in which they were made
+        assert store["execute", "fail_late", "thread-noncpu", "seconds"] == 0
+        assert store.get(("execute", "fail_late", "thread-cpu", "seconds"), 0) == 0
         assert store["execute", "fail_late", "failed", "seconds"] >= 0.4
 
 

@@ -1,5 +1,5 @@
 """End-to-end tests of the fine performance metrics of the worker: execute,
-gather-dep, get-data and memory-monitor, as posted to Worker.digests_total and
+gather-dep, get-data, memory-monitor, gather and update-data, as posted to Worker.digests_total and
 carried on the events of the worker state machine.
 """
 from __future__ import annotations
@@ -984,6 +984,8 @@ async def assert_spill_accounted(w: Worker) -> None:
             "gather-dep",
             "get-data",
             "memory-monitor",
+            "gather",
+            "update-data",
         }:
             totals[k[-2:]] += v
     for label, unit in SPILL_LABELS:
@@ -1054,6 +1056,88 @@ async def test_spill_and_unspill(c, s, a, b):
     await assert_spill_accounted(b)
     assert not activity_digests(a, "memory-monitor")
     assert not REMOVED_DIGESTS & set(a.digests_total)
+
+
+@gen_cluster(
+    client=True,
+    nthreads=[("", 1), ("", 1)],
+    worker_kwargs={"memory_limit": "1 GiB"},
+    config={
+        # Spill anything larger than ~1 MiB as soon as it's inserted
+        "distributed.worker.memory.target": 0.001,
+        "distributed.worker.memory.spill": False,
+        "distributed.worker.memory.pause": False,
+        "distributed.worker.memory.rebalance.measure": "managed",
+        "distributed.worker.memory.rebalance.sender-min": 0,
+        "distributed.worker.memory.rebalance.recipient-max": 1,
+        "distributed.worker.memory.rebalance.sender-recipient-gap": 0,
+    },
+)
+async def test_scatter_replicate_and_rebalance(c, s, a, b):
+    """Data given to a worker outside of its tasks is metered too: storing what
+    a client scatters is update-data; fetching keys from peers for the scheduler
+    (rebalance, replicate) is gather, and storing them is update-data again
+    """
+    x, y = await c.scatter([b"x" * 2_000_000, b"y" * 2_000_000], workers=[a.address])
+    assert {x.key, y.key} <= set(a.data.slow)
+    m = activity_digests(a, "update-data")
+    assert m["disk-write", "count"] == 2
+    assert type(m["disk-write", "bytes"]) is int
+    assert m["disk-write", "bytes"] == a.data.cumulative_metrics["disk-write", "bytes"]
+    assert set(m) == {
+        ("serialize", "seconds"),
+        ("compress", "seconds"),
+        ("disk-write", "seconds"),
+        ("disk-write", "count"),
+        ("disk-write", "bytes"),
+        ("other", "seconds"),
+    }
+    assert not activity_digests(a, "gather")
+    assert not activity_digests(b, "update-data")
+
+    # One of the two moves to b
+    await c.rebalance([x, y])
+    assert len(b.data.slow) == 1
+    m = activity_digests(b, "gather")
+    # What arrived was deserialized and decompressed; spilling it is not gather's
+    assert set(m) == {
+        ("network", "seconds"),
+        ("deserialize", "seconds"),
+        ("decompress", "seconds"),
+        ("other", "seconds"),
+    }
+    assert m["network", "seconds"] > 0
+    assert activity_digests(b, "update-data")["disk-write", "count"] == 1
+
+    # The other one is copied to b
+    await c.replicate([x, y], n=2)
+    assert len(b.data.slow) == 2
+    assert activity_digests(b, "update-data")["disk-write", "count"] == 2
+    assert activity_digests(b, "gather")["network", "seconds"] > m["network", "seconds"]
+    # a sent both, unspilling them first
+    await async_poll_for(lambda: not a.transfer_outgoing_count, timeout=5)
+    assert activity_digests(a, "get-data")["disk-read", "count"] == 2
+
+    await assert_spill_accounted(a)
+    await assert_spill_accounted(b)
+    assert not activity_digests(a, "memory-monitor")
+    assert not activity_digests(b, "memory-monitor")
+
+
+@gen_cluster(client=True, nthreads=[("", 1)])
+async def test_meter_activity_failed(c, s, a):
+    """A block of an activity that raises keeps its counts and bytes, and lumps its
+    seconds into "failed"
+    """
+    with pytest.raises(ZeroDivisionError):
+        with a._meter_activity("update-data"):
+            context_meter.digest_metric("serialize", 0.5, "seconds")
+            context_meter.digest_metric("disk-write", 10, "bytes")
+            1 / 0
+    m = activity_digests(a, "update-data")
+    assert set(m) == {("disk-write", "bytes"), ("failed", "seconds")}
+    assert m["disk-write", "bytes"] == 10
+    assert 0 <= m["failed", "seconds"] < 0.5
 
 
 class SlowSizeof:

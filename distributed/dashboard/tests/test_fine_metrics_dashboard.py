@@ -48,7 +48,14 @@ from distributed.scheduler import Scheduler
 from distributed.utils import open_port
 from distributed.utils_test import async_poll_for, captured_logger, gen_cluster, inc
 
-ACTIVITIES = ["execute", "gather-dep", "get-data", "memory-monitor"]
+ACTIVITIES = [
+    "execute",
+    "gather-dep",
+    "get-data",
+    "memory-monitor",
+    "gather",
+    "update-data",
+]
 UNITS = ["seconds", "bytes", "count"]
 #: The states of the workers' threads (docs/fine_metrics.rst), in their order
 THREAD_STATES = [
@@ -521,8 +528,8 @@ async def test_empty_cluster(s):
     ]:
         assert all(column == [] for column in source.data.values())
     assert fm.activities_source.data["activity"] == ACTIVITIES
-    assert fm.activities_source.data["seconds"] == [0, 0, 0, 0]
-    assert fm.activities_source.data["share"] == [0, 0, 0, 0]
+    assert fm.activities_source.data["seconds"] == [0] * len(ACTIVITIES)
+    assert fm.activities_source.data["share"] == [0] * len(ACTIVITIES)
     assert fm.threads_source.data["state"] == THREAD_STATES
     assert fm.threads_source.data["seconds"] == [0] * 5
     assert fm.threads_plot.title.text == "The workers' threads, by state"
@@ -851,7 +858,7 @@ def test_values_that_are_not_finite():
     assert fm.prefix_filter is not None
     assert prefix_choices(fm) == ["p"]
     assert fm.gather_dep_source.data["label"] == []
-    assert fm.activities_source.data["seconds"] == [1.5, 0, 0.25, 0]
+    assert fm.activities_source.data["seconds"] == [1.5, 0, 0.25, 0, 0, 0]
     assert fm.activities_source.data["text"][2] == "250.00 ms"
     for source in fm.spill_sources.values():
         assert source.data["activity"] == []
@@ -909,7 +916,7 @@ def test_negative_values():
     assert fm.prefix_filter is not None
     assert prefix_choices(fm) == ["p"]
     assert fm.gather_dep_source.data["label"] == []
-    assert fm.activities_source.data["seconds"] == [2.5, 0, 0, 0.125]
+    assert fm.activities_source.data["seconds"] == [2.5, 0, 0, 0.125, 0, 0]
     assert fm.spill_sources["bytes"].data["activity"] == []
     assert segments(fm.spill_sources["seconds"].data, "activity") == {
         ("execute", "disk-read"): 0.5,
@@ -1068,7 +1075,7 @@ def test_prefix_with_only_bytes():
         ("memory-monitor", "disk-write"): 100
     }
     assert fm.spill_sources["bytes"].data["count"] == [1]
-    assert fm.activities_source.data["seconds"] == [1.5, 0, 0, 0.125]
+    assert fm.activities_source.data["seconds"] == [1.5, 0, 0, 0.125, 0, 0]
     valid = {k: v for k, v in metrics.items() if isinstance(k, tuple) and len(k) != 3}
     valid[("memory-monitor", "disk-write", "bytes")] = 100
     valid[("memory-monitor", "disk-write", "count")] = 1
@@ -1532,7 +1539,7 @@ def test_threads_bars():
     assert fm.threads_plot.title.text == "The workers' threads: busy 16.7% of the time"
     assert_breakdown(fm, metrics)
     # Not the activities' seconds: those partition the work, not the threads
-    assert fm.activities_source.data["seconds"] == [7.0, 0, 0, 0]
+    assert fm.activities_source.data["seconds"] == [7.0, 0, 0, 0, 0, 0]
     # With a mapping, no history: no threads over time
     assert fm.threads_over_time_source is None
     assert fm.threads_over_time_plot is None
@@ -1581,7 +1588,7 @@ def test_fixed_colors():
     for label in ("download", "rows", "ping/x", "7", ""):
         assert fine_metrics_color(label) in FINE_METRICS_PALETTE
     activities = [FINE_METRICS_ACTIVITY_COLORS[a] for a in ACTIVITIES]
-    assert len(set(activities)) == 4
+    assert len(set(activities)) == 6
     assert not set(activities) & (set(colors) | set(FINE_METRICS_PALETTE))
     threads = [FINE_METRICS_THREAD_COLORS[s] for s in THREAD_STATES]
     assert list(FINE_METRICS_THREAD_COLORS) == THREAD_STATES
