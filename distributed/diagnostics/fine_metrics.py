@@ -21,7 +21,7 @@ from collections.abc import Hashable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, TextIO
 
-from distributed.client import Client, wait
+from distributed.client import Client, NoFineMetricsError, wait
 from distributed.metrics import (
     FINE_METRICS_ACTIVITIES,
     FINE_METRICS_UNITS,
@@ -355,12 +355,14 @@ def main(argv: Iterable[str] | None = None) -> None:
         try:
             with Client(args.scheduler) as client:
                 metrics = dict(cluster_fine_metrics(client))
-        except (OSError, ValueError) as e:
-            # Unreachable, lost, or not an address: a line, not a traceback
+        except (OSError, ValueError, NoFineMetricsError) as e:
+            # Unreachable, lost, not an address, or not a scheduler of the fork: a
+            # line, not a traceback; the exception's name if it has no message (a
+            # timeout)
             parser.exit(
                 1,
                 "Could not read the fine metrics of the scheduler at "
-                f"{args.scheduler}: {e}\n",
+                f"{args.scheduler}: {str(e) or type(e).__name__}\n",
             )
         print(format_table(metrics))
         return

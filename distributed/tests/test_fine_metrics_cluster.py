@@ -30,6 +30,7 @@ from distributed import (
 )
 from distributed.client import NoFineMetricsError
 from distributed.core import Status
+from distributed.diagnostics import fine_metrics as fine_metrics_cli
 from distributed.metrics import (
     FineMetrics,
     FineMetricsReceiver,
@@ -999,6 +1000,58 @@ def test_cli_scheduler_unreachable():
             f"Could not read the fine metrics of the scheduler at {given}: "
         )
         assert "Traceback" not in proc.stderr
+
+
+@gen_test()
+async def test_cli_scheduler_without_fine_metrics():
+    """A scheduler of a version of distributed without fine metrics is said so in a
+    line, not a traceback
+    """
+    async with Scheduler(dashboard_address=":0") as s:
+        del s.handlers["get_fine_metrics"]
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "distributed.diagnostics.fine_metrics",
+            s.address,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        out, err = await asyncio.wait_for(proc.communicate(), timeout=60)
+    assert proc.returncode == 1
+    assert not out
+    assert err.decode() == (
+        f"Could not read the fine metrics of the scheduler at {s.address}: The "
+        "scheduler gives no fine performance metrics: it runs a version of "
+        "distributed without them\n"
+    )
+
+
+def test_cli_names_an_exception_without_a_message(monkeypatch, capsys):
+    """A failure whose exception says nothing (a timeout) is named"""
+
+    def timeout(address):
+        raise asyncio.TimeoutError()
+
+    monkeypatch.setattr(fine_metrics_cli, "Client", timeout)
+    with pytest.raises(SystemExit) as info:
+        fine_metrics_cli.main(["tcp://127.0.0.1:1"])
+    assert info.value.code == 1
+    assert capsys.readouterr().err == (
+        "Could not read the fine metrics of the scheduler at tcp://127.0.0.1:1: "
+        "TimeoutError\n"
+    )
+
+
+@gen_cluster(client=True, nthreads=[])
+async def test_get_fine_metrics_block_of_an_asynchronous_client(c, s):
+    """An asynchronous client needs ``async with``: a plain ``with`` says so"""
+    with pytest.raises(TypeError, match="use `async with`"):
+        with get_fine_metrics(c):
+            pass
+    async with get_fine_metrics(c) as fm:
+        pass
+    assert not fm
 
 
 def test_cli_help_keeps_the_example():

@@ -89,6 +89,40 @@ def test_format_table():
     ]
 
 
+def test_format_table_names_on_one_line():
+    """Prefixes, labels and units that hold a newline, a tab or another character
+    that is not printable stay on their line, escaped as in a repr; the rest of the
+    text is as it is
+    """
+    metrics = {
+        ("execute", "new\nline", "my\tsleep", "seconds"): 0.5,
+        ("execute", "ünï", 'q"uo\\te\x00', 'u"nit\n'): 1,
+        ("gather-dep", "a\rb", "seconds"): 0.25,
+    }
+    lines = format_table(metrics).splitlines()
+    assert lines[0].split() == [
+        "activity",
+        "task",
+        "prefix",
+        "label",
+        "seconds",
+        "bytes",
+        "count",
+        'u"nit\\n',
+    ]
+    rows = [line.split() for line in lines[2:]]
+    assert rows == [
+        ["execute", "new\\nline", "my\\tsleep", "0.500"],
+        ["execute", "new\\nline", "(total)", "0.500"],
+        ["execute", "ünï", 'q"uo\\te\\x00', "1"],
+        ["execute", "ünï", "(total)", "0.000"],
+        ["gather-dep", "a\\rb", "0.250"],
+        ["gather-dep", "(total)", "0.250"],
+    ]
+    # Every line as wide as the header's rule, but for trailing blanks
+    assert all(len(line) <= len(lines[1]) for line in lines)
+
+
 def test_format_table_empty():
     assert format_table({"latency": 1.0}).splitlines()[0].split()[:3] == [
         "activity",

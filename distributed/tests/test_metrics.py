@@ -1374,3 +1374,23 @@ def test_a_block_is_whole_when_another_thread_can_see_it(monkeypatch):
     assert ago >= 0.05
     assert cpu is None
     assert held == 0
+
+
+def test_negative_seconds_stand_alone():
+    """Negative seconds are not time spent inside the blocks around them: they take
+    nothing out of them, nor out of a ledger's phases and ``other``
+    """
+    ledger = DelayedMetricsLedger()
+    with ledger.record():
+        with context_meter.meter("outer"):
+            time.sleep(0.02)
+            context_meter.digest_metric("refund", -5.0, "seconds")
+            context_meter.digest_metric("waited", 0.01, "seconds")
+    # The outer block and waited; not the refund
+    assert 0.02 <= ledger.seconds < 1
+    metrics = {label: value for label, value, _ in ledger.finalize()}
+    assert metrics["refund"] == -5.0
+    assert metrics["waited"] == 0.01
+    # The block's time, less the positive seconds digested inside it
+    assert 0.01 <= metrics["outer"] < 1
+    assert 0 <= metrics["other"] < 0.5

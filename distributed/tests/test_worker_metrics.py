@@ -185,6 +185,35 @@ async def test_execute_thread_cpu(c, s, a):
     assert m["thread-noncpu", "seconds"] >= 0.09
 
 
+def refund():
+    """Post negative seconds, in a block and bare"""
+    with context_meter.meter("my-block"):
+        time.sleep(0.05)
+        context_meter.digest_metric("refund", -5.0, "seconds")
+    context_meter.digest_metric("refund", -3.0, "seconds")
+    time.sleep(0.05)
+
+
+@gen_cluster(client=True, nthreads=[("", 1)])
+async def test_execute_negative_seconds(c, s, a):
+    """Negative seconds that a task posts stand alone: they take nothing out of the
+    block and the phases around them, which never exceed the time they stand for;
+    the task's labels then add up to its time less them
+    """
+    await c.submit(refund, key="refund-1")
+    m = execute_digests(a, "refund")
+    assert m["refund", "seconds"] == -8.0
+    assert 0.05 <= m["my-block", "seconds"] < 1
+    assert m["thread-noncpu", "seconds"] < 1
+    [ev] = events_of(a, ExecuteSuccessEvent, "refund-1")
+    elapsed = ev.stop - ev.start
+    # (ev.start and ev.stop are read just inside the clocks of the phase)
+    assert m["thread-cpu", "seconds"] + m["thread-noncpu", "seconds"] < elapsed + 0.01
+    assert m["other", "seconds"] < 1
+    seconds = sum(v for (_, unit), v in m.items() if unit == "seconds")
+    assert -8 < seconds < -7
+
+
 def wait_for_own_thread():
     """Hand work to a thread of the task's own and wait for it, with no meter block
     open around it
