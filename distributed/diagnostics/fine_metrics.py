@@ -14,6 +14,7 @@ cluster up until Enter is pressed, so that one can look at it.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
 import time
 from collections import defaultdict
@@ -355,7 +356,7 @@ def main(argv: Iterable[str] | None = None) -> None:
         try:
             with Client(args.scheduler) as client:
                 metrics = dict(cluster_fine_metrics(client))
-        except (OSError, ValueError, NoFineMetricsError) as e:
+        except (OSError, ValueError, asyncio.TimeoutError, NoFineMetricsError) as e:
             # Unreachable, lost, not an address, or not a scheduler of the fork: a
             # line, not a traceback; the exception's name if it has no message (a
             # timeout)

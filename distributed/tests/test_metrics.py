@@ -587,8 +587,8 @@ def test_digest_metric_other_real_numbers():
     out = []
     with context_meter.add_callback(lambda *args: out.append(args)):
         context_meter.digest_metric("x", Fraction(1, 2), "seconds")
-        context_meter.digest_metric("y", -1.5, "seconds")
-    assert out == [("x", Fraction(1, 2), "seconds"), ("y", -1.5, "seconds")]
+        context_meter.digest_metric("y", -1.5, "bytes")
+    assert out == [("x", Fraction(1, 2), "seconds"), ("y", -1.5, "bytes")]
 
     np = import_or_skip("numpy")
     with context_meter.add_callback(lambda *args: out.append(args)):
@@ -1376,21 +1376,35 @@ def test_a_block_is_whole_when_another_thread_can_see_it(monkeypatch):
     assert held == 0
 
 
-def test_negative_seconds_stand_alone():
-    """Negative seconds are not time spent inside the blocks around them: they take
-    nothing out of them, nor out of a ledger's phases and ``other``
+def test_negative_seconds_are_refused():
+    """Seconds are time spent: a negative number of them would give the blocks and
+    phases around them more than their time. Other units may be negative.
+    """
+    with context_meter.add_callback(lambda label, value, unit: None):
+        with context_meter.meter("outer"):
+            with pytest.raises(ValueError, match="must not be negative"):
+                context_meter.digest_metric("refund", -5.0, "seconds")
+            with pytest.raises(ValueError, match="must not be negative"):
+                context_meter.digest_metric(("refund", 1), -1, "seconds")
+            context_meter.digest_metric("freed", -100, "bytes")
+            context_meter.digest_metric("refund", 0.0, "seconds")
+    # Refused also when nobody listens, like any invalid value
+    with pytest.raises(ValueError, match="must not be negative"):
+        context_meter.digest_metric("refund", -5.0, "seconds")
+
+
+def test_block_that_can_be_negative_adds_up():
+    """A block with floor=False whose inner seconds claim more than its time gives
+    a negative value, which corrects for them: the seconds of the activity still add
+    up to its time
     """
     ledger = DelayedMetricsLedger()
     with ledger.record():
-        with context_meter.meter("outer"):
-            time.sleep(0.02)
-            context_meter.digest_metric("refund", -5.0, "seconds")
-            context_meter.digest_metric("waited", 0.01, "seconds")
-    # The outer block and waited; not the refund
-    assert 0.02 <= ledger.seconds < 1
+        with context_meter.meter("block", floor=False):
+            context_meter.digest_metric("claimed", 0.5, "seconds")
+            time.sleep(0.01)
+        time.sleep(0.05)
     metrics = {label: value for label, value, _ in ledger.finalize()}
-    assert metrics["refund"] == -5.0
-    assert metrics["waited"] == 0.01
-    # The block's time, less the positive seconds digested inside it
-    assert 0.01 <= metrics["outer"] < 1
-    assert 0 <= metrics["other"] < 0.5
+    assert metrics["block"] < -0.4
+    assert metrics["other"] >= 0.05
+    assert sum(metrics.values()) == pytest.approx(ledger.stop - ledger.start)

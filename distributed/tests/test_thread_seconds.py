@@ -8,6 +8,7 @@ import math
 import threading
 import time
 from collections.abc import Hashable
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -1115,6 +1116,83 @@ async def test_interim_posts_the_blocks_that_ended(c, s, a, monkeypatch):
         assert s.cumulative_worker_metrics[k] == pytest.approx(
             value, rel=1e-9, abs=1e-12
         )
+
+
+def helper_downloads(n: int, seconds: float) -> int:
+    """Hand metered I/O to a thread of the task's own, and wait for it"""
+
+    def downloads():
+        for _ in range(n):
+            with context_meter.meter("download"):
+                time.sleep(seconds)
+
+    with ThreadPoolExecutor(1) as ex:
+        ex.submit(context_meter.in_thread(downloads)).result()
+    return 1
+
+
+@gen_cluster(client=True, nthreads=[("", 1)])
+async def test_interim_posts_of_a_task_waiting_for_a_thread(c, s, a, monkeypatch):
+    """What a thread that the task waits for meters comes out of the task's phase
+    only when the thread returns: the deliveries meanwhile post the phase so far,
+    and leave the thread's blocks to the end, rather than count that time twice
+    """
+    calls = record_finalized(monkeypatch)
+    prefix = "helper_downloads"
+    x = c.submit(helper_downloads, 6, 0.1, key=f"{prefix}-1")
+    await asyncio.sleep(0.2)
+    seen = []
+    while not x.done():
+        start = a.state.tasks[f"{prefix}-1"].start_time
+        a.digest_running()
+        posted = sum(
+            v
+            for k, v in a.digests_total.items()
+            if k[:2] == ("execute", prefix) and k[3] == "seconds"
+        )
+        seen.append((posted, time.time() - start))
+        await asyncio.sleep(0.1)
+    assert await x == 1
+    assert len(seen) >= 3, seen
+    # Never more than the task's time so far (and its deserialization)
+    assert all(posted < elapsed + 0.05 for posted, elapsed in seen), seen
+    [(posted, rest)] = calls
+    assert ("download", "seconds") not in posted
+    expect = without_interim(posted, rest)
+    assert expect["download", "seconds"] == pytest.approx(0.6, rel=0.2)
+    assert expect["thread-noncpu", "seconds"] < 0.1
+    assert_all_seconds_once(a, prefix)
+
+
+@gen_cluster(client=True, nthreads=[("", 1)])
+async def test_delivery_after_the_function_returned(c, s, a, monkeypatch):
+    """A delivery between the function's return, when its whole phase is recorded,
+    and the end of the instruction posts nothing of it again
+    """
+    calls = record_finalized(monkeypatch)
+    key = ("execute", "burn", "thread-cpu", "seconds")
+    late = []
+    add_thread_phase = InstructionMetricsRecorder.add_thread_phase
+
+    def add_thread_phase_then_deliver(self, *args, **kwargs):
+        add_thread_phase(self, *args, **kwargs)
+        # As a heartbeat, or a scrape of /metrics, that the event loop runs before
+        # the instruction ends
+        a.digest_running()
+        late.append(a.digests_total[key])
+
+    monkeypatch.setattr(
+        InstructionMetricsRecorder, "add_thread_phase", add_thread_phase_then_deliver
+    )
+    x = c.submit(burn, 0.4, key="burn-1")
+    await deliver_until_done(x, a)
+    assert await x == 1
+    [(posted, rest)] = calls
+    assert posted["thread-cpu", "seconds"] > 0.2
+    [after_return] = late
+    assert after_return == pytest.approx(posted["thread-cpu", "seconds"])
+    assert a.digests_total[key] == pytest.approx(0.4, rel=0.25)
+    assert_all_seconds_once(a, "burn")
 
 
 class LoopUnfriendlyClock:
