@@ -475,3 +475,56 @@ def test_names_from_tasks_are_shown_as_text(browser: Any, loop: Any) -> None:
         assert injected(browser) == []
         assert console_errors(browser) == []
         save_screenshot(browser, "fine-metrics-page-names-as-text")
+
+
+def filter_options(driver: Any) -> list[str]:
+    """The prefixes that the page's filter offers"""
+    return run_bokeh_js(
+        driver,
+        'return plain(byName("fine_metrics_prefix_filter")[0].options)'
+        ".map((o) => (Array.isArray(o) ? o[0] : o));",
+    )
+
+
+def first_of(x: int) -> int:
+    return x
+
+
+@pytest.mark.slow
+def test_typing_in_the_filter_while_prefixes_arrive(browser: Any, loop: Any) -> None:
+    """A person types in the prefix filter while tasks of a new prefix end: what
+    they typed stays, and so does the focus; the new prefix is offered once the
+    filter has lost it
+    """
+    with demo_cluster(loop=loop) as (cluster, client):
+        open_bokeh_page(browser, page_url(client))
+        client.submit(first_of, 1, key="alpha-1").result()
+        client.get_fine_metrics(flush=True)
+        wait_until(browser, lambda: filter_options(browser) == ["alpha"], what="alpha")
+        browser.find_element("css selector", ".choices").click()
+        browser.find_element("css selector", ".choices__input--cloned").send_keys("alp")
+        client.submit(first_of, 2, key="beta-1").result()
+        client.get_fine_metrics(flush=True)
+        wait_until(
+            browser,
+            lambda: bokeh_sources(browser)["fine_metrics_prefix_options"]["value"]
+            == ["alpha", "beta"],
+            what="the new prefix in the browser",
+        )
+        typing = run_bokeh_js(
+            browser,
+            """
+            const active = document.activeElement;
+            return [active.value, active.closest(".choices") != null];
+            """,
+        )
+        assert typing == ["alp", True]
+        assert filter_options(browser) == ["alpha"]
+        # The person moves on
+        run_bokeh_js(browser, "document.activeElement.blur();")
+        wait_until(
+            browser,
+            lambda: filter_options(browser) == ["alpha", "beta"],
+            what="the new prefix in the filter",
+        )
+        assert console_errors(browser) == []

@@ -557,7 +557,8 @@ def prefix_choices(fm: FineMetricsBreakdown) -> list[str]:
     itself, as HTML-escaped text (Choices.js parses labels as HTML)
     """
     assert fm.prefix_filter is not None
-    options = fm.prefix_filter.options
+    data = fm.prefix_options_source.data
+    options = list(zip(data["value"], data["label"]))
     assert all(label == html.escape(value) for value, label in options), options
     return [value for value, _ in options]
 
@@ -579,6 +580,10 @@ async def test_names_from_tasks_are_text(c, s, a):
     fm.update()
     assert fm.prefix_filter is not None
     assert fm.prefix_filter.options == [("x<b>y</b>", "x&lt;b&gt;y&lt;/b&gt;")]
+    assert fm.prefix_options_source.data == {
+        "value": ["x<b>y</b>"],
+        "label": ["x&lt;b&gt;y&lt;/b&gt;"],
+    }
     assert "(<b>unit</b>)" in fm.units_note.text
     assert fm.units_note.render_as_text
 
