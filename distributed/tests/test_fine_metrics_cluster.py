@@ -962,17 +962,25 @@ async def test_cli_reads_the_scheduler(c, s, a):
     await c.submit(posting, 1, key="gone-1")
     await a.close()
     await async_poll_for(lambda: not s.workers, timeout=5)
+    returncode, table, _ = await run_cli_async(s.address)
+    assert returncode == 0
+    assert "gone" in table and "my-count" in table
+
+
+async def run_cli_async(*args: str) -> tuple[int | None, str, str]:
+    """Run the command line without blocking the event loop: its exit status,
+    output and error output
+    """
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
         "distributed.diagnostics.fine_metrics",
-        s.address,
+        *args,
         stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
     )
-    out, _ = await asyncio.wait_for(proc.communicate(), timeout=60)
-    assert proc.returncode == 0
-    table = out.decode()
-    assert "gone" in table and "my-count" in table
+    out, err = await asyncio.wait_for(proc.communicate(), timeout=60)
+    return proc.returncode, out.decode(), err.decode()
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
@@ -1009,18 +1017,10 @@ async def test_cli_scheduler_without_fine_metrics():
     """
     async with Scheduler(dashboard_address=":0") as s:
         del s.handlers["get_fine_metrics"]
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "distributed.diagnostics.fine_metrics",
-            s.address,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-        )
-        out, err = await asyncio.wait_for(proc.communicate(), timeout=60)
-    assert proc.returncode == 1
+        returncode, out, err = await run_cli_async(s.address)
+    assert returncode == 1
     assert not out
-    assert err.decode() == (
+    assert err == (
         f"Could not read the fine metrics of the scheduler at {s.address}: The "
         "scheduler gives no fine performance metrics: it runs a version of "
         "distributed without them\n"

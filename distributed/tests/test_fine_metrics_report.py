@@ -38,6 +38,10 @@ def test_is_fine_metric():
     assert not is_fine_metric(("other", "x", "seconds"))
 
 
+#: The words of the table's header, but for the tasks' own units
+HEADER = ["activity", "task", "prefix", "label", "seconds", "bytes", "count"]
+
+
 def test_format_table():
     metrics = {
         ("execute", "inc", "thread-cpu", "seconds"): 1.5,
@@ -53,16 +57,7 @@ def test_format_table():
     }
     lines = format_table(metrics).splitlines()
     header = lines[0].split()
-    assert header == [
-        "activity",
-        "task",
-        "prefix",
-        "label",
-        "seconds",
-        "bytes",
-        "count",
-        "rows",
-    ]
+    assert header == [*HEADER, "rows"]
     assert set(lines[1]) == {"-", " "}
     rows = [line.split() for line in lines[2:]]
     # execute first, prefixes in order, then gather-dep, get-data
@@ -100,16 +95,7 @@ def test_format_table_names_on_one_line():
         ("gather-dep", "a\rb", "seconds"): 0.25,
     }
     lines = format_table(metrics).splitlines()
-    assert lines[0].split() == [
-        "activity",
-        "task",
-        "prefix",
-        "label",
-        "seconds",
-        "bytes",
-        "count",
-        'u"nit\\n',
-    ]
+    assert lines[0].split() == [*HEADER, 'u"nit\\n']
     rows = [line.split() for line in lines[2:]]
     assert rows == [
         ["execute", "new\\nline", "my\\tsleep", "0.500"],

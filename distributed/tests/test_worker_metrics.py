@@ -36,7 +36,13 @@ from distributed import (
 from distributed.comm import connect
 from distributed.compatibility import PeriodicCallback
 from distributed.core import Status
-from distributed.metrics import ThreadRoot, _callbacks_var, context_meter, current_root
+from distributed.metrics import (
+    FINE_METRICS_ACTIVITIES,
+    ThreadRoot,
+    _callbacks_var,
+    context_meter,
+    current_root,
+)
 from distributed.spill import SpillBuffer
 from distributed.tests.test_worker_state_machine_metrics import recording
 from distributed.utils import sync
@@ -71,6 +77,26 @@ REMOVED_DIGESTS = {
     "disk-load-duration",
     "disk-write-target-duration",
     "disk-write-spill-duration",
+}
+
+
+#: Spill anything larger than ~1 MiB as soon as it's inserted (with a memory
+#: limit of 1 GiB), and nothing else
+SPILL_AT_ONCE = {
+    "distributed.worker.memory.target": 0.001,
+    "distributed.worker.memory.spill": False,
+    "distributed.worker.memory.pause": False,
+}
+
+
+#: The labels and units of an activity that spilled, and did nothing else
+SPILLING = {
+    ("serialize", "seconds"),
+    ("compress", "seconds"),
+    ("disk-write", "seconds"),
+    ("disk-write", "count"),
+    ("disk-write", "bytes"),
+    ("other", "seconds"),
 }
 
 
@@ -851,12 +877,7 @@ def seceding_and_rejoining(x):
     client=True,
     nthreads=[("", 2), ("", 2)],
     worker_kwargs={"memory_limit": "1 GiB"},
-    config={
-        # Spill anything larger than ~1 MiB as soon as it's inserted
-        "distributed.worker.memory.target": 0.001,
-        "distributed.worker.memory.spill": False,
-        "distributed.worker.memory.pause": False,
-    },
+    config=SPILL_AT_ONCE,
 )
 async def test_metering_leaves_no_cyclic_garbage(c, s, a, b):
     """The metering's objects are freed by reference counting as soon as an
@@ -994,14 +1015,8 @@ async def assert_spill_accounted(w: Worker) -> None:
     await async_poll_for(lambda: not w.transfer_outgoing_count, timeout=5)
     totals: defaultdict = defaultdict(int)
     for k, v in w.digests_total.items():
-        if isinstance(k, tuple) and k[0] in {
-            "execute",
-            "gather-dep",
-            "get-data",
-            "memory-monitor",
-            "gather",
-            "update-data",
-        }:
+        # Every activity; the threads are no activity
+        if isinstance(k, tuple) and k[0] in set(FINE_METRICS_ACTIVITIES) - {"threads"}:
             totals[k[-2:]] += v
     for label, unit in SPILL_LABELS:
         expect = w.data.cumulative_metrics.get((label, unit), 0)
@@ -1020,12 +1035,7 @@ def make_big(i=0):
     client=True,
     nthreads=[("", 1), ("", 1)],
     worker_kwargs={"memory_limit": "1 GiB"},
-    config={
-        # Spill anything larger than ~1 MiB as soon as it's inserted
-        "distributed.worker.memory.target": 0.001,
-        "distributed.worker.memory.spill": False,
-        "distributed.worker.memory.pause": False,
-    },
+    config=SPILL_AT_ONCE,
 )
 async def test_spill_and_unspill(c, s, a, b):
     x = c.submit(make_big, key="x", workers=[a.address])
@@ -1078,10 +1088,7 @@ async def test_spill_and_unspill(c, s, a, b):
     nthreads=[("", 1), ("", 1)],
     worker_kwargs={"memory_limit": "1 GiB"},
     config={
-        # Spill anything larger than ~1 MiB as soon as it's inserted
-        "distributed.worker.memory.target": 0.001,
-        "distributed.worker.memory.spill": False,
-        "distributed.worker.memory.pause": False,
+        **SPILL_AT_ONCE,
         "distributed.worker.memory.rebalance.measure": "managed",
         "distributed.worker.memory.rebalance.sender-min": 0,
         "distributed.worker.memory.rebalance.recipient-max": 1,
@@ -1099,14 +1106,7 @@ async def test_scatter_replicate_and_rebalance(c, s, a, b):
     assert m["disk-write", "count"] == 2
     assert type(m["disk-write", "bytes"]) is int
     assert m["disk-write", "bytes"] == a.data.cumulative_metrics["disk-write", "bytes"]
-    assert set(m) == {
-        ("serialize", "seconds"),
-        ("compress", "seconds"),
-        ("disk-write", "seconds"),
-        ("disk-write", "count"),
-        ("disk-write", "bytes"),
-        ("other", "seconds"),
-    }
+    assert set(m) == SPILLING
     assert not activity_digests(a, "gather")
     assert not activity_digests(b, "update-data")
 
@@ -1148,11 +1148,7 @@ async def test_scatter_replicate_and_rebalance(c, s, a, b):
     client=True,
     nthreads=[("", 1)],
     worker_kwargs={"memory_limit": "1 GiB"},
-    config={
-        "distributed.worker.memory.target": 0.001,
-        "distributed.worker.memory.spill": False,
-        "distributed.worker.memory.pause": False,
-    },
+    config=SPILL_AT_ONCE,
 )
 async def test_update_data_from_a_task(c, s, a):
     """A task that stores data on its worker itself: the spilling is the task's, and
@@ -1258,14 +1254,7 @@ async def test_memory_monitor_other(c, s, a):
     m = activity_digests(a, "memory-monitor")
     assert m["disk-write", "count"] == 1
     assert m["other", "seconds"] >= 0.2
-    assert set(m) == {
-        ("serialize", "seconds"),
-        ("compress", "seconds"),
-        ("disk-write", "seconds"),
-        ("disk-write", "count"),
-        ("disk-write", "bytes"),
-        ("other", "seconds"),
-    }
+    assert set(m) == SPILLING
 
 
 MONITOR_CONFIG = {
@@ -1542,11 +1531,7 @@ class BigUnpicklable:
     client=True,
     nthreads=[("", 1)],
     worker_kwargs={"memory_limit": "1 GiB"},
-    config={
-        "distributed.worker.memory.target": 0.001,
-        "distributed.worker.memory.spill": False,
-        "distributed.worker.memory.pause": False,
-    },
+    config=SPILL_AT_ONCE,
 )
 async def test_execute_output_fails_to_spill(c, s, a):
     """The output of the task is too large for memory and fails to serialize: the
