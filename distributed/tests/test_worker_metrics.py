@@ -42,6 +42,7 @@ from distributed.metrics import (
     _callbacks_var,
     context_meter,
     current_root,
+    is_fine_metric,
 )
 from distributed.spill import SpillBuffer
 from distributed.tests.test_worker_state_machine_metrics import recording
@@ -1866,3 +1867,33 @@ async def test_context_variables_seen_by_tasks_and_handlers():
                     assert labels("g") == {"deserialize", "thread-noncpu", "other"}
     finally:
         request_id.reset(token)
+
+
+class SampledDigest:
+    """Stands for ``distributed.counter.Digest`` (which needs crick): the values
+    added to it
+    """
+
+    def __init__(self) -> None:
+        self.values: list[float] = []
+
+    def add(self, value: float) -> None:
+        self.values.append(value)
+
+    def shift(self) -> None:
+        pass
+
+
+@gen_cluster(client=True, nthreads=[("", 1)])
+async def test_fine_metrics_are_not_granular_digests(c, s, a):
+    """With crick, a worker keeps a distribution for each of its digests
+    (``Worker.digests``, which the Counters page of its dashboard draws, a figure
+    per str name): the fine metrics are totals, under tuples, and stay out of it;
+    the other digests are kept as before
+    """
+    a.digests = defaultdict(SampledDigest)
+    await c.submit(inc, 1, key="inc-1")
+    a.digest_metric("latency", 0.25)
+    assert any(is_fine_metric(name) for name in a.digests_total)
+    assert set(a.digests) == {"task-duration", "latency"}
+    assert a.digests["latency"].values == [0.25]

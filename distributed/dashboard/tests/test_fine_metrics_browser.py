@@ -528,3 +528,104 @@ def test_typing_in_the_filter_while_prefixes_arrive(browser: Any, loop: Any) -> 
             what="the new prefix in the filter",
         )
         assert console_errors(browser) == []
+
+
+# Narrow windows and long names
+
+
+def titles_cut(driver: Any) -> list[str]:
+    """The plots whose title goes beyond the right edge of the plot, where bokeh
+    cuts it (bokeh 2.4's views: the title starts at the frame's left edge)
+    """
+    return run_bokeh_js(
+        driver,
+        """
+        const ctx = document.createElement("canvas").getContext("2d");
+        const cut = [];
+        const walk = (view) => {
+          for (const child of view.child_views ?? []) walk(child);
+          const title = view.model.title;
+          if (view.frame === undefined || !title || !title.text) return;
+          ctx.font = `${title.text_font_style} ${title.text_font_size} ${title.text_font}`;
+          const right = view.frame.bbox.left + title.offset
+            + ctx.measureText(title.text).width;
+          if (right > view.canvas_view.bbox.width) cut.push(view.model.name);
+        };
+        for (const view of Object.values(Bokeh.index)) walk(view);
+        return cut;
+        """,
+    )
+
+
+def axis_labels(driver: Any, plot: str) -> list[str]:
+    """The labels that bokeh draws on the categorical axis of a plot"""
+    return run_bokeh_js(
+        driver,
+        """
+        const name = arguments[0];
+        let labels = null;
+        const walk = (view) => {
+          for (const child of view.child_views ?? []) walk(child);
+          if (view.model.name !== name) return;
+          for (const rv of view.renderer_views?.values() ?? []) {
+            if (rv.model.type === "CategoricalAxis")
+              labels = rv._get_factor_info()[0][0].items.map((box) => box.text);
+          }
+        };
+        for (const view of Object.values(Bokeh.index)) walk(view);
+        return labels;
+        """,
+        plot,
+    )
+
+
+def page_width(driver: Any) -> int:
+    """The width of the page's layout, in pixels"""
+    return run_bokeh_js(
+        driver, "return document.querySelector('.bk-root > div').scrollWidth;"
+    )
+
+
+#: A task prefix longer than the axis of execute shows (PREFIX_AXIS_CHARS)
+LONG_PREFIX = "read_parquet-fused-assign-getitem-groupby-sum-chunk"
+
+
+@pytest.mark.slow
+def test_narrow_window_and_long_names(browser: Any, loop: Any) -> None:
+    """In a window narrower than the page's minimum width, the page scrolls
+    sideways, and no title is cut; a long task prefix is shortened on the axis of
+    execute, and whole in its source (and tooltip)
+    """
+    from distributed.dashboard.components.scheduler import (
+        PREFIX_AXIS_CHARS,
+        FineMetricsBreakdown,
+    )
+
+    with demo_cluster(loop=loop) as (cluster, client):
+        demo_workload(client)
+        client.submit(first_of, 1, key=f"{LONG_PREFIX}-0").result()
+        settle(client)
+        client.get_fine_metrics(flush=True)
+        plot = "fine_metrics_execute_seconds_plot"
+        for width in (800, 1024):
+            browser.set_window_size(width, 900)
+            open_bokeh_page(browser, page_url(client))
+            wait_until(
+                browser,
+                lambda: len(axis_labels(browser, plot) or []) == 4,
+                what="the execute plot's prefixes",
+            )
+            if width < FineMetricsBreakdown.MIN_WIDTH:
+                assert page_width(browser) >= FineMetricsBreakdown.MIN_WIDTH
+            else:
+                assert_fits_the_window(browser)
+            assert titles_cut(browser) == []
+            # The demonstration's prefixes as they are, and the long one shortened
+            [short] = set(axis_labels(browser, plot)) - DEMO_PREFIXES
+            assert len(short) == PREFIX_AXIS_CHARS
+            head, tail = short.split("\u2026")
+            assert LONG_PREFIX.startswith(head) and LONG_PREFIX.endswith(tail)
+            source = bokeh_sources(browser)["fine_metrics_execute_seconds"]
+            assert LONG_PREFIX in source["prefix"]
+            assert console_errors(browser) == []
+            save_screenshot(browser, f"fine-metrics-page-{width}-wide")

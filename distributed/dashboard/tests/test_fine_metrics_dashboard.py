@@ -1096,6 +1096,36 @@ def test_prefix_with_only_bytes():
     ]
 
 
+def test_spilling_by_get_data():
+    """get-data's unspilling, and the spilling of the keys that it pushes out, are
+    in the spilling plots; its serialize and compress, which add up the data sent
+    and the keys pushed out, are not
+    """
+    metrics = {
+        ("get-data", "disk-read", "bytes"): 300,
+        ("get-data", "disk-read", "count"): 3,
+        ("get-data", "disk-read", "seconds"): 0.5,
+        ("get-data", "disk-write", "bytes"): 200,
+        ("get-data", "disk-write", "count"): 2,
+        ("get-data", "disk-write", "seconds"): 0.25,
+        ("get-data", "serialize", "seconds"): 0.125,
+        ("get-data", "compress", "seconds"): 0.0625,
+        ("get-data", "network", "seconds"): 1.0,
+    }
+    fm = FineMetricsBreakdown(None, metrics)
+    fm.update()
+    assert segments(fm.spill_sources["bytes"].data, "activity") == {
+        ("get-data", "disk-read"): 300,
+        ("get-data", "disk-write"): 200,
+    }
+    assert segments(fm.spill_sources["seconds"].data, "activity") == {
+        ("get-data", "disk-read"): 0.5,
+        ("get-data", "disk-write"): 0.25,
+    }
+    assert sorted(fm.spill_sources["bytes"].data["count"]) == [2, 3]
+    assert_breakdown(fm, metrics)
+
+
 def test_needs_a_scheduler_or_metrics():
     with pytest.raises(ValueError):
         FineMetricsBreakdown(None)
