@@ -1986,15 +1986,26 @@ async def test_performance_report_scheduler_without_the_keyword(c, s, a, b, tmp_
     assert "The scheduler takes no fine performance metrics" in log.getvalue()
 
 
+@pytest.mark.parametrize(
+    "message",
+    [
+        "something else",
+        # Names the keyword, but is not about the handler's signature
+        "fine_metrics: the Fine metrics tab could not be built",
+    ],
+)
 @gen_cluster(client=True)
-async def test_performance_report_other_type_error(c, s, a, b, tmp_path):
-    """Only the keyword's TypeError means an earlier version"""
+async def test_performance_report_other_type_error(c, s, a, b, tmp_path, message):
+    """Only the TypeError of the unexpected keyword means an earlier version"""
 
     async def performance_report(**kwargs):
-        raise TypeError("something else")
+        if "fine_metrics" in kwargs:
+            raise TypeError(message)
+        # Asked again without the keyword, the report would be written
+        return await Scheduler.performance_report(s, **kwargs)
 
     s.handlers["performance_report"] = performance_report
-    with pytest.raises(TypeError, match="something else"):
+    with pytest.raises(TypeError, match=message):
         await report_on_inc(c, tmp_path / "report.html")
 
 
