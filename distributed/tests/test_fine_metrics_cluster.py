@@ -597,8 +597,8 @@ async def test_memory_grows_with_keys_not_heartbeats(c, s, a):
 
 
 def test_sender_receiver_exactly_once():
-    """Every interleaving of lost deliveries and lost acknowledgements: the
-    receiver's totals always end equal to the sender's
+    """Lost deliveries, lost acknowledgements, a duplicate and a delivery that
+    arrives after a newer one: the receiver's totals end equal to the sender's
     """
     totals: dict = {}
     sender = FineMetricsSender(totals)
@@ -632,6 +632,30 @@ def test_sender_receiver_exactly_once():
     sender.acknowledge(receiver.receive(*parse_fine_metrics_delivery(d4)[:3], add))
     assert dict(cluster) == {("execute", "p", "x", "count"): 8}
     assert receiver.totals == {("execute", "x", "count"): 8}
+
+
+def test_receiver_delivery_on_an_unknown_base():
+    """A delivery on a base that is neither the last delivery nor its base, which
+    the worker never sends (see FineMetricsReceiver): applied as it is, with a
+    warning, rather than refused, which would leave the worker on that base
+    """
+    receiver = FineMetricsReceiver()
+    cluster: dict = defaultdict(int)
+
+    def add(key, value):
+        cluster[key] += value
+
+    key = ("execute", "p", "x", "count")
+    assert receiver.receive(2, 0, {key: 1}, add) == 2
+    with captured_logger("distributed.metrics") as log:
+        assert receiver.receive(4, 1, {key: 5}, add) == 4
+    assert "delivery 4 on base 1 does not follow delivery 2 on base 0" in (
+        log.getvalue()
+    )
+    assert dict(cluster) == {key: 6}
+    # Then on as usual
+    assert receiver.receive(5, 4, {key: 1}, add) == 5
+    assert dict(cluster) == {key: 7}
 
 
 def test_sender_last_delivery():
