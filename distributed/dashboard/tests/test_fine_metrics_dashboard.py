@@ -28,7 +28,7 @@ from distributed.tests.utils_ci import import_or_skip
 
 import_or_skip("bokeh")
 from bokeh.core.validation import check_integrity
-from bokeh.models import DatetimeTickFormatter, HoverTool
+from bokeh.models import DatetimeTickFormatter, HoverTool, NoOverlap
 from tornado.httpclient import AsyncHTTPClient
 
 from distributed import Event, Worker, performance_report, wait
@@ -1232,8 +1232,13 @@ async def test_threads_over_time(c, s, a, b):
     assert fm.threads_over_time_plot is not None
     formatter = fm.threads_over_time_plot.xaxis[0].formatter
     assert isinstance(formatter, DatetimeTickFormatter)
-    for span in ("milliseconds", "seconds", "minsec", "minutes", "hourmin", "hours"):
+    spans = ("microseconds", "milliseconds", "seconds", "minsec", "minutes")
+    for span in (*spans, "hourmin", "hours"):
         assert getattr(formatter, span)[0].startswith("%H:%M"), span
+    # Bokeh asks for as many ticks in a narrow plot: labels that would overlap
+    # are left out
+    policy = fm.threads_over_time_plot.xaxis[0].major_label_policy
+    assert isinstance(policy, NoOverlap)
     fm.update()
     # The first update reads where the totals start: no point yet
     assert points(fm) == []
