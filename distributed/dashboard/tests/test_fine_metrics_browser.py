@@ -285,6 +285,12 @@ def test_page(browser: Any, loop: Any) -> None:
         assert console_errors(browser) == []
         save_screenshot(browser, "fine-metrics-page")
 
+        # Reloaded, the page shows the same points at once: they are the
+        # scheduler's, and nothing changed since
+        open_bokeh_page(browser, page_url(client))
+        assert threads_points(browser) == points
+        assert console_errors(browser) == []
+
         # As if a person chose "crunch" in the filter
         run_bokeh_js(
             browser, 'byName("fine_metrics_prefix_filter")[0].value = ["crunch"];'

@@ -41,6 +41,7 @@ from distributed.dashboard.components.scheduler import (
     FINE_METRICS_SPILL_LABELS,
     FINE_METRICS_THREAD_COLORS,
     FineMetricsBreakdown,
+    ThreadsOverTimePlugin,
     fine_metrics_color,
 )
 from distributed.metrics import context_meter, time
@@ -1203,6 +1204,16 @@ def assert_points_drawable(fm: FineMetricsBreakdown, most_threads: int) -> None:
         assert sum(point.values()) <= most_threads * (1 + 1e-9), point
 
 
+def threads_page(s: Any, **kwargs: Any) -> FineMetricsBreakdown:
+    """A page of the scheduler ``s`` whose threads over time get a point only when
+    a page updates: the scheduler's own reads of the store, a second apart, are
+    stopped, so that a test knows how many points to expect
+    """
+    fm = FineMetricsBreakdown(s, **kwargs)
+    s.periodic_callbacks[ThreadsOverTimePlugin.name].stop()
+    return fm
+
+
 async def deliver(fm: FineMetricsBreakdown, *workers: Any, n: int = 1) -> None:
     """n times: a real while, a delivery of every worker, an update of the page"""
     for _ in range(n):
@@ -1226,7 +1237,7 @@ async def test_threads_over_time(c, s, a, b):
     """The points add up to the cluster's threads, and show the busy ones"""
     nthreads = sum(ws.nthreads for ws in s.workers.values())
     assert nthreads == 3
-    fm = FineMetricsBreakdown(s)
+    fm = threads_page(s)
     # The time axis shows the clock's time at every span, also under a second,
     # where bokeh's default shows milliseconds alone ("400ms")
     assert fm.threads_over_time_plot is not None
@@ -1287,7 +1298,7 @@ async def test_threads_over_time_at_the_heartbeats_pace(c, s, a, b):
     """
     for w in (a, b):
         w.periodic_callbacks["heartbeat"].stop()
-    fm = FineMetricsBreakdown(s)
+    fm = threads_page(s)
     fm.update()
     await deliver(fm, a, b)
     for workers in [(a,), (a, a, a), (b,), (), (a, b, b)]:
@@ -1306,7 +1317,7 @@ async def test_threads_over_time_at_the_heartbeats_pace(c, s, a, b):
 async def test_threads_over_time_no_work_without_change(c, s, a, b):
     for w in (a, b):
         w.periodic_callbacks["heartbeat"].stop()
-    fm = FineMetricsBreakdown(s)
+    fm = threads_page(s)
     fm.update()
     await deliver(fm, a, b, n=2)
     assert fm.threads_over_time_source is not None
@@ -1327,7 +1338,8 @@ async def test_threads_over_time_no_work_without_change(c, s, a, b):
 class FakeScheduler:
     """What the threads over time read of a scheduler: the store's version, the
     live workers (their number of threads and server_id) and their totals without
-    the task prefix
+    the task prefix; and its plugins, which keep the points. It has no periodic
+    callbacks: a point is added only when a page updates.
     """
 
     def __init__(self, **nthreads: int):
@@ -1335,6 +1347,7 @@ class FakeScheduler:
         self.cumulative_worker_metrics_version = 0
         self.workers: dict[str, SimpleNamespace] = {}
         self.totals: dict[str, dict[tuple, float]] = {}
+        self.plugins: dict[str, Any] = {}
         self._ids = 0
         for worker, n in nthreads.items():
             self.join(worker, n)
@@ -1353,6 +1366,9 @@ class FakeScheduler:
 
     def fine_metrics_by_worker(self) -> dict[str, Mapping[tuple, float]]:
         return {w: MappingProxyType(t) for w, t in self.totals.items()}
+
+    def add_plugin(self, plugin: Any) -> None:
+        self.plugins[plugin.name] = plugin
 
 
 def post_threads(s: FakeScheduler, worker: str, **seconds: float) -> None:
@@ -1490,7 +1506,7 @@ def test_threads_over_time_worker_restarted_at_its_address():
 @gen_cluster(client=True, nthreads=[("", 1), ("", 2)])
 async def test_threads_over_time_worker_removed(c, s, a, b):
     """A worker that the scheduler removes leaves the plot at once"""
-    fm = FineMetricsBreakdown(s)
+    fm = threads_page(s)
     fm.update()
     await deliver(fm, a, b, n=2)
     assert sum(points(fm)[-1].values()) == pytest.approx(3, rel=1e-6)
@@ -1507,7 +1523,7 @@ async def test_threads_over_time_real_worker_restarted_at_its_address(c, s):
     zero
     """
     port = open_port()
-    fm = FineMetricsBreakdown(s)
+    fm = threads_page(s)
     fm.update()
     async with Worker(s.address, port=port, nthreads=4) as w:
         w.periodic_callbacks["heartbeat"].stop()
@@ -1554,6 +1570,79 @@ def test_threads_history_is_bounded():
     assert [p["busy"] for p in points(fm)] == pytest.approx([7 / 8, 8 / 9, 9 / 10])
     with pytest.raises(ValueError, match="threads_history"):
         FineMetricsBreakdown(s, threads_history=1)
+
+
+def test_threads_over_time_are_the_schedulers(monkeypatch):
+    """The points belong to the scheduler: a page opened later, or reloaded,
+    starts with them (the last ``threads_history``), and every page shows the
+    points that any of them asked for; the scheduler keeps the last
+    ``MAX_POINTS``
+    """
+    monkeypatch.setattr(ThreadsOverTimePlugin, "MAX_POINTS", 5)
+    s = FakeScheduler(a=2)
+    first = FineMetricsBreakdown(s)
+    [plugin] = s.plugins.values()
+    assert isinstance(plugin, ThreadsOverTimePlugin)
+    first.update()
+    for i in range(3):
+        post_threads(s, "a", busy=2.0 * i, idle_no_tasks=2.0)
+        first.update()
+    assert len(points(first)) == 3
+
+    # Opened later: the same points at once, and its times
+    second = FineMetricsBreakdown(s)
+    assert s.plugins == {plugin.name: plugin}
+    assert points(second) == points(first)
+    assert second.threads_over_time_source is not None
+    assert first.threads_over_time_source is not None
+    times = first.threads_over_time_source.data["time"]
+    assert second.threads_over_time_source.data["time"] == times
+    # A point that the second asked for reaches the first, once
+    post_threads(s, "a", busy=4.0)
+    second.update()
+    first.update()
+    first.update()
+    assert points(first) == points(second)
+    assert points(first)[-1] == threads(busy=2.0)
+    assert len(points(first)) == 4
+
+    # No more than threads_history from the scheduler's points
+    shown = points(FineMetricsBreakdown(s, threads_history=2))
+    assert [p["busy"] for p in shown] == pytest.approx([4 / 3, 2.0])
+    # The scheduler keeps the last MAX_POINTS; a page that fell further behind
+    # gets those
+    for i in range(7):
+        post_threads(s, "a", idle_paused=2.0 * (i + 1))
+        second.update()
+    assert len(plugin.buffer) == 5
+    assert plugin.index == 11
+    assert len(points(second)) == 11
+    first.update()
+    assert len(points(first)) == 4 + 5
+    assert points(first)[-5:] == points(second)[-5:]
+    assert points(FineMetricsBreakdown(s)) == points(second)[-5:]
+
+
+@gen_cluster(client=True, nthreads=[("", 1), ("", 2)])
+async def test_threads_over_time_while_no_page_updates(c, s, a, b):
+    """Once a page opened, the scheduler adds points on its own, every
+    ``INTERVAL`` seconds while the workers deliver: a page opened later shows the
+    threads of the time when no page was open
+    """
+    fm = FineMetricsBreakdown(s)
+    plugin = s.plugins[ThreadsOverTimePlugin.name]
+    assert s.periodic_callbacks[plugin.name].is_running()
+    del fm
+    # Not a point a heartbeat: one a second at most, whatever the heartbeats
+    start = plugin.index
+    await async_poll_for(lambda: plugin.index >= start + 3, timeout=10)
+    later = FineMetricsBreakdown(s)
+    shown = points(later)
+    assert len(shown) >= 3
+    assert shown[-1] == pytest.approx(threads(idle_no_tasks=3.0), rel=0.03)
+    times = later.threads_over_time_source.data["time"]
+    gaps = [t1 - t0 for t0, t1 in zip(times, times[1:])]
+    assert min(gaps) >= ThreadsOverTimePlugin.INTERVAL * 1000 * 0.8
 
 
 def test_threads_bars():
