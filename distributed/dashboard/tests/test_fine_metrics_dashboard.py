@@ -1205,22 +1205,33 @@ def assert_points_drawable(fm: FineMetricsBreakdown, most_threads: int) -> None:
 
 
 def threads_page(s: Any, **kwargs: Any) -> FineMetricsBreakdown:
-    """A page of the scheduler ``s`` whose threads over time get a point only when
-    a page updates: the scheduler's own reads of the store, a second apart, are
-    stopped, so that a test knows how many points to expect
+    """A page of the scheduler ``s`` whose threads over time get a point only at
+    the test's :func:`tick`: the scheduler's own reads of the store, a second
+    apart, are stopped, so that the test knows how many points to expect
     """
     fm = FineMetricsBreakdown(s, **kwargs)
     s.periodic_callbacks[ThreadsOverTimePlugin.name].stop()
     return fm
 
 
+def tick(fm: FineMetricsBreakdown) -> None:
+    """What the scheduler's plugin does every second, then an update of the page:
+    a read of the store, which adds a point if it changed, and the page shows it
+    """
+    assert fm.scheduler is not None
+    fm.scheduler.plugins[ThreadsOverTimePlugin.name].update()
+    fm.update()
+
+
 async def deliver(fm: FineMetricsBreakdown, *workers: Any, n: int = 1) -> None:
-    """n times: a real while, a delivery of every worker, an update of the page"""
+    """n times: a real while, a delivery of every worker, a read of the store by
+    the scheduler, an update of the page
+    """
     for _ in range(n):
         await asyncio.sleep(0.1)
         for w in workers:
             await w.heartbeat()
-        fm.update()
+        tick(fm)
 
 
 def block(event: Event) -> None:
@@ -1250,7 +1261,7 @@ async def test_threads_over_time(c, s, a, b):
     # are left out
     policy = fm.threads_over_time_plot.xaxis[0].major_label_policy
     assert isinstance(policy, NoOverlap)
-    fm.update()
+    tick(fm)
     # The first update reads where the totals start: no point yet
     assert points(fm) == []
     await deliver(fm, a, b, n=2)
@@ -1299,13 +1310,13 @@ async def test_threads_over_time_at_the_heartbeats_pace(c, s, a, b):
     for w in (a, b):
         w.periodic_callbacks["heartbeat"].stop()
     fm = threads_page(s)
-    fm.update()
+    tick(fm)
     await deliver(fm, a, b)
     for workers in [(a,), (a, a, a), (b,), (), (a, b, b)]:
         await asyncio.sleep(0.1)
         for w in workers:
             await w.heartbeat()
-        fm.update()
+        tick(fm)
     for point in points(fm):
         assert sum(point.values()) == pytest.approx(2, rel=1e-6)
     # No point without a change of the store
@@ -1318,7 +1329,7 @@ async def test_threads_over_time_no_work_without_change(c, s, a, b):
     for w in (a, b):
         w.periodic_callbacks["heartbeat"].stop()
     fm = threads_page(s)
-    fm.update()
+    tick(fm)
     await deliver(fm, a, b, n=2)
     assert fm.threads_over_time_source is not None
     data = fm.threads_over_time_source.data
@@ -1326,7 +1337,7 @@ async def test_threads_over_time_no_work_without_change(c, s, a, b):
     version = s.cumulative_worker_metrics_version
     for _ in range(3):
         await asyncio.sleep(0.05)
-        fm.update()
+        tick(fm)
     # The prefix filter redraws the bars, but adds no point
     assert fm.prefix_filter is not None
     fm.prefix_filter.value = ["inc"]
@@ -1338,8 +1349,8 @@ async def test_threads_over_time_no_work_without_change(c, s, a, b):
 class FakeScheduler:
     """What the threads over time read of a scheduler: the store's version, the
     live workers (their number of threads and server_id) and their totals without
-    the task prefix; and its plugins, which keep the points. It has no periodic
-    callbacks: a point is added only when a page updates.
+    the task prefix; and its plugins, which keep the points, read at each
+    :func:`tick`.
     """
 
     def __init__(self, **nthreads: int):
@@ -1348,6 +1359,12 @@ class FakeScheduler:
         self.workers: dict[str, SimpleNamespace] = {}
         self.totals: dict[str, dict[tuple, float]] = {}
         self.plugins: dict[str, Any] = {}
+        # Its plugin's periodic callback is never started: the tests read the
+        # store with tick()
+        self.periodic_callbacks: dict[str, Any] = {}
+        self.io_loop = SimpleNamespace(
+            asyncio_loop=None, add_callback=lambda *args: None
+        )
         self._ids = 0
         for worker, n in nthreads.items():
             self.join(worker, n)
@@ -1395,21 +1412,21 @@ def test_threads_over_time_never_draws_bad_values():
     nan, inf = float("nan"), float("inf")
     s = FakeScheduler(a=2, b=4)
     fm = FineMetricsBreakdown(s)
-    fm.update()
+    tick(fm)
     post_threads(s, "a", busy=1.0, idle_no_tasks=1.0)
     post_threads(s, "b", busy=4.0)
-    fm.update()
+    tick(fm)
     assert points(fm) == [threads(busy=5.0, idle_no_tasks=1.0)]
     # b delivers nothing new: it keeps its last states
     post_threads(s, "a", idle_paused=2.0)
-    fm.update()
+    tick(fm)
     assert points(fm)[-1]["busy"] == 4.0
     assert points(fm)[-1]["idle-paused"] == 2.0
 
     # A label of threads that the workers do not post is neither counted nor
     # drawn: b's gain is all idle-no-tasks
     post_threads(s, "b", idle_no_tasks=1.0, mystery=1.0)
-    fm.update()
+    tick(fm)
     assert points(fm)[-1] == threads(idle_paused=2.0, idle_no_tasks=4.0)
 
     # a's totals so far: busy 1, idle-no-tasks 1, idle-paused 2
@@ -1425,7 +1442,7 @@ def test_threads_over_time_never_draws_bad_values():
     ]:
         totals["threads", "busy", "seconds"] = busy
         post_threads(s, "a", **gained)
-        fm.update()
+        tick(fm)
         assert_points_drawable(fm, 6)
     assert len(points(fm)) == 10
 
@@ -1434,16 +1451,16 @@ def test_threads_over_time_never_draws_bad_values():
     s.join("b", 4)
     post_threads(s, "b", idle_no_tasks=2.0)
     s.leave("a")
-    fm.update()
+    tick(fm)
     assert points(fm)[-1] == threads(idle_no_tasks=4.0)
     # Totals of a worker that the scheduler no longer has
     s.totals["c"] = {}
     post_threads(s, "c", busy=5.0)
-    fm.update()
+    tick(fm)
     assert points(fm)[-1] == threads(idle_no_tasks=4.0)
     # No workers at all
     s.leave("b")
-    fm.update()
+    tick(fm)
     assert points(fm)[-1] == threads()
     assert_points_drawable(fm, 6)
 
@@ -1454,26 +1471,26 @@ def test_threads_over_time_follow_the_live_workers():
     """
     s = FakeScheduler(a=1, b=2)
     fm = FineMetricsBreakdown(s)
-    fm.update()
+    tick(fm)
     post_threads(s, "a", busy=1.0)
     post_threads(s, "b", idle_no_tasks=2.0)
-    fm.update()
+    tick(fm)
     assert points(fm) == [threads(busy=1.0, idle_no_tasks=2.0)]
     version = s.cumulative_worker_metrics_version
 
     s.leave("b")
-    fm.update()
+    tick(fm)
     assert points(fm)[-1] == threads(busy=1.0)
     s.join("c", 4)  # no delivery yet: no threads to show for it
-    fm.update()
+    tick(fm)
     assert points(fm)[-1] == threads(busy=1.0)
     s.leave("a")
     s.leave("c")
-    fm.update()
+    tick(fm)
     assert points(fm)[-1] == threads()
     assert s.cumulative_worker_metrics_version == version
     # Nothing changed since: no point
-    fm.update()
+    tick(fm)
     assert len(points(fm)) == 4
 
 
@@ -1483,9 +1500,9 @@ def test_threads_over_time_worker_restarted_at_its_address():
     """
     s = FakeScheduler(a=2)
     fm = FineMetricsBreakdown(s)
-    fm.update()
+    tick(fm)
     post_threads(s, "a", idle_no_tasks=100.0)
-    fm.update()
+    tick(fm)
     assert points(fm)[-1] == threads(idle_no_tasks=2.0)
     # Restarted: its first delivery covers its whole life, half of it busy
     # (taken as a gain from the old totals, idle-no-tasks would be negative and
@@ -1493,13 +1510,13 @@ def test_threads_over_time_worker_restarted_at_its_address():
     s.leave("a")
     s.join("a", 2)
     post_threads(s, "a", busy=1.0, idle_no_tasks=1.0)
-    fm.update()
+    tick(fm)
     assert points(fm)[-1] == threads(busy=1.0, idle_no_tasks=1.0)
     # Restarted again, with nothing delivered yet: nothing of the old one is left
     s.leave("a")
     s.join("a", 2)
     s.cumulative_worker_metrics_version += 1
-    fm.update()
+    tick(fm)
     assert points(fm)[-1] == threads()
 
 
@@ -1507,11 +1524,11 @@ def test_threads_over_time_worker_restarted_at_its_address():
 async def test_threads_over_time_worker_removed(c, s, a, b):
     """A worker that the scheduler removes leaves the plot at once"""
     fm = threads_page(s)
-    fm.update()
+    tick(fm)
     await deliver(fm, a, b, n=2)
     assert sum(points(fm)[-1].values()) == pytest.approx(3, rel=1e-6)
     await s.remove_worker(b.address, stimulus_id="test")
-    fm.update()
+    tick(fm)
     assert sum(points(fm)[-1].values()) == pytest.approx(1, rel=1e-6)
     assert_points_drawable(fm, 3)
 
@@ -1524,7 +1541,7 @@ async def test_threads_over_time_real_worker_restarted_at_its_address(c, s):
     """
     port = open_port()
     fm = threads_page(s)
-    fm.update()
+    tick(fm)
     async with Worker(s.address, port=port, nthreads=4) as w:
         w.periodic_callbacks["heartbeat"].stop()
         await deliver(fm, w, n=3)
@@ -1534,7 +1551,7 @@ async def test_threads_over_time_real_worker_restarted_at_its_address(c, s):
         assert w.address == address
         await asyncio.sleep(0.1)
         await w.heartbeat()
-        fm.update()
+        tick(fm)
         assert sum(points(fm)[-1].values()) == pytest.approx(1, rel=1e-6)
     assert_points_drawable(fm, 4)
 
@@ -1548,11 +1565,11 @@ def test_threads_over_time_never_go_back(monkeypatch):
     wall = time()
     s = FakeScheduler(a=1)
     fm = FineMetricsBreakdown(s)
-    fm.update()
+    tick(fm)
     for i in range(3):
         monkeypatch.setattr(module, "time", lambda i=i: wall - 3600 * (i + 1))
         post_threads(s, "a", busy=1.0)
-        fm.update()
+        tick(fm)
     assert fm.threads_over_time_source is not None
     times = fm.threads_over_time_source.data["time"]
     assert len(times) == 3
@@ -1563,10 +1580,10 @@ def test_threads_over_time_never_go_back(monkeypatch):
 def test_threads_history_is_bounded():
     s = FakeScheduler(a=1)
     fm = FineMetricsBreakdown(s, threads_history=3)
-    fm.update()
+    tick(fm)
     for i in range(10):
         post_threads(s, "a", busy=1.0 * i, idle_no_tasks=1.0)
-        fm.update()
+        tick(fm)
     assert [p["busy"] for p in points(fm)] == pytest.approx([7 / 8, 8 / 9, 9 / 10])
     with pytest.raises(ValueError, match="threads_history"):
         FineMetricsBreakdown(s, threads_history=1)
@@ -1574,8 +1591,8 @@ def test_threads_history_is_bounded():
 
 def test_threads_over_time_are_the_schedulers(monkeypatch):
     """The points belong to the scheduler: a page opened later, or reloaded,
-    starts with them (the last ``threads_history``), and every page shows the
-    points that any of them asked for; the scheduler keeps the last
+    starts with them (the last ``threads_history``), every page shows the same
+    points, and updating a page adds none; the scheduler keeps the last
     ``MAX_POINTS``
     """
     monkeypatch.setattr(ThreadsOverTimePlugin, "MAX_POINTS", 5)
@@ -1583,13 +1600,14 @@ def test_threads_over_time_are_the_schedulers(monkeypatch):
     first = FineMetricsBreakdown(s)
     [plugin] = s.plugins.values()
     assert isinstance(plugin, ThreadsOverTimePlugin)
-    first.update()
+    assert s.periodic_callbacks == {plugin.name: plugin._pc}
+    tick(first)
     for i in range(3):
         post_threads(s, "a", busy=2.0 * i, idle_no_tasks=2.0)
-        first.update()
+        tick(first)
     assert len(points(first)) == 3
 
-    # Opened later: the same points at once, and its times
+    # Opened later: the same points at once, and their times
     second = FineMetricsBreakdown(s)
     assert s.plugins == {plugin.name: plugin}
     assert points(second) == points(first)
@@ -1597,11 +1615,16 @@ def test_threads_over_time_are_the_schedulers(monkeypatch):
     assert first.threads_over_time_source is not None
     times = first.threads_over_time_source.data["time"]
     assert second.threads_over_time_source.data["time"] == times
-    # A point that the second asked for reaches the first, once
+    # Pages only show the scheduler's points: a change of the store is a point
+    # once the scheduler read it, on every page, once
     post_threads(s, "a", busy=4.0)
+    first.update()
     second.update()
+    assert len(points(first)) == len(points(second)) == 3
+    plugin.update()
     first.update()
     first.update()
+    second.update()
     assert points(first) == points(second)
     assert points(first)[-1] == threads(busy=2.0)
     assert len(points(first)) == 4
@@ -1613,7 +1636,7 @@ def test_threads_over_time_are_the_schedulers(monkeypatch):
     # gets those
     for i in range(7):
         post_threads(s, "a", idle_paused=2.0 * (i + 1))
-        second.update()
+        tick(second)
     assert len(plugin.buffer) == 5
     assert plugin.index == 11
     assert len(points(second)) == 11
@@ -1623,26 +1646,56 @@ def test_threads_over_time_are_the_schedulers(monkeypatch):
     assert points(FineMetricsBreakdown(s)) == points(second)[-5:]
 
 
+def test_threads_over_time_plugin_removed():
+    """A plugin removed from the scheduler stops reading the store, and a page
+    opened later makes a new one, whose periodic callback replaces the old one's
+    """
+    s = FakeScheduler(a=1)
+    fm = FineMetricsBreakdown(s)
+    old = s.plugins.pop(ThreadsOverTimePlugin.name)
+    stopped = []
+    old._pc.stop = lambda: stopped.append("update")
+    post_threads(s, "a", busy=1.0)
+    old.update()
+    assert stopped == ["update"]
+    assert old.index == 0
+    old._pc.stop = lambda: stopped.append("replaced")
+    FineMetricsBreakdown(s)
+    assert stopped == ["update", "replaced"]
+    new = s.plugins[ThreadsOverTimePlugin.name]
+    assert new is not old
+    assert s.periodic_callbacks == {new.name: new._pc}
+    assert fm.threads_over_time_source is not None
+
+
 @gen_cluster(client=True, nthreads=[("", 1), ("", 2)])
 async def test_threads_over_time_while_no_page_updates(c, s, a, b):
-    """Once a page opened, the scheduler adds points on its own, every
-    ``INTERVAL`` seconds while the workers deliver: a page opened later shows the
-    threads of the time when no page was open
+    """Once a page opened, the scheduler reads its store every ``INTERVAL``
+    seconds, on its own: a page opened later shows the threads of the time when
+    no page updated. It stops when the scheduler closes.
     """
     fm = FineMetricsBreakdown(s)
     plugin = s.plugins[ThreadsOverTimePlugin.name]
-    assert s.periodic_callbacks[plugin.name].is_running()
+    pc = s.periodic_callbacks[plugin.name]
+    assert pc.is_running()
+    assert pc.callback_time == ThreadsOverTimePlugin.INTERVAL * 1000
     del fm
-    # Not a point a heartbeat: one a second at most, whatever the heartbeats
     start = plugin.index
     await async_poll_for(lambda: plugin.index >= start + 3, timeout=10)
     later = FineMetricsBreakdown(s)
     shown = points(later)
     assert len(shown) >= 3
     assert shown[-1] == pytest.approx(threads(idle_no_tasks=3.0), rel=0.03)
-    times = later.threads_over_time_source.data["time"]
-    gaps = [t1 - t0 for t0, t1 in zip(times, times[1:])]
-    assert min(gaps) >= ThreadsOverTimePlugin.INTERVAL * 1000 * 0.8
+    # Updating a page, however often, adds no point
+    index = plugin.index
+    for w in (a, b):
+        await w.heartbeat()
+    for _ in range(5):
+        later.update()
+    assert plugin.index == index
+    await s.close()
+    assert not pc.is_running()
+    assert plugin.name not in s.periodic_callbacks
 
 
 def test_threads_bars():
