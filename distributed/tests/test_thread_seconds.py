@@ -16,7 +16,7 @@ import dask
 
 from distributed import Event, WorkerPlugin
 from distributed import metrics as metrics_module
-from distributed import rejoin, secede, worker_client
+from distributed import rejoin, secede, threadpoolexecutor, worker_client
 from distributed.core import Status
 from distributed.metrics import ThreadSecondsAccount, context_meter, is_fine_metric
 from distributed.tests.test_worker_metrics import CustomExecutor
@@ -502,6 +502,47 @@ async def test_seceded_task_frees_its_thread(c, s, a):
     )
     assert a.digests_total["execute", "away", "seceded", "seconds"] >= 0.3
     phase.assert_partition()
+
+
+@gen_cluster(
+    client=True,
+    nthreads=[("", 1)],
+    # So that the memory monitor does not unpause the worker that the test paused
+    config={"distributed.worker.memory.pause": False},
+)
+async def test_thread_pool_secede_tells_why_the_thread_idles(c, s, a):
+    """A task that leaves its thread pool with the pool's own secede(), which the
+    state machine never hears of, frees its thread: idle for the cause of the
+    moment, not for the one of before the task took the thread
+    """
+    started, may_go, seceded, done = Event(), Event(), Event(), Event()
+
+    def away(started, may_go, seceded, done):
+        started.set()
+        may_go.wait()
+        threadpoolexecutor.secede()
+        seceded.set()
+        done.wait()
+        return 1
+
+    x = c.submit(away, started, may_go, seceded, done, key="away")
+    await started.wait()
+    # Paused while its one thread is busy: no idle thread to say why it idles
+    a.status = Status.paused
+    await may_go.set()
+    await seceded.wait()
+    await async_poll_for(lambda: a.thread_seconds.busy == 0, timeout=5)
+    account = a.thread_seconds
+    account.advance()
+    before = account.totals
+    await asyncio.sleep(0.3)
+    account.advance()
+    gained = {k: v - before.get(k, 0.0) for k, v in account.totals.items()}
+    assert gained["idle-paused"] == pytest.approx(0.3, rel=0.3)
+    assert gained.get("idle-no-tasks", 0.0) == 0.0
+    a.status = Status.running
+    await done.set()
+    assert await x == 1
 
 
 def execute_breakdown(w, prefix: str) -> dict[Hashable, float]:
