@@ -527,21 +527,26 @@ async def test_thread_pool_secede_tells_why_the_thread_idles(c, s, a):
 
     x = c.submit(away, started, may_go, seceded, done, key="away")
     await started.wait()
-    # Paused while its one thread is busy: no idle thread to say why it idles
-    a.status = Status.paused
-    await may_go.set()
-    await seceded.wait()
-    await async_poll_for(lambda: a.thread_seconds.busy == 0, timeout=5)
-    account = a.thread_seconds
-    account.advance()
-    before = account.totals
-    await asyncio.sleep(0.3)
-    account.advance()
-    gained = {k: v - before.get(k, 0.0) for k, v in account.totals.items()}
-    assert gained["idle-paused"] == pytest.approx(0.3, rel=0.3)
-    assert gained.get("idle-no-tasks", 0.0) == 0.0
-    a.status = Status.running
-    await done.set()
+    try:
+        # Paused while its one thread is busy: no idle thread to say why it idles
+        a.status = Status.paused
+        await may_go.set()
+        await seceded.wait()
+        await async_poll_for(lambda: a.thread_seconds.busy == 0, timeout=5)
+        account = a.thread_seconds
+        account.advance()
+        before, start = account.totals, account.last
+        await asyncio.sleep(0.1)
+        account.advance()
+        gained = {k: v - before.get(k, 0.0) for k, v in account.totals.items()}
+        # All of the one thread's time since, by the account's own clock
+        assert gained.get("idle-paused", 0.0) == pytest.approx(account.last - start)
+        assert gained.get("idle-paused", 0.0) > 0
+        assert gained["busy"] == 0
+        assert gained.get("idle-no-tasks", 0.0) == 0
+    finally:
+        a.status = Status.running
+        await done.set()
     assert await x == 1
 
 
